@@ -1,0 +1,46 @@
+"""A small client for llama-server's native /completion endpoint."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ikdflash.server import ServerError
+
+
+@dataclass
+class Completion:
+    text: str
+    pieces: list[str] = field(default_factory=list)
+    """The text of each generated token (filled when ``pieces=True`` was asked)."""
+    timings: dict[str, Any] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        raise ServerError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')}") from None
+
+
+def complete(base_url: str, prompt: str | Sequence[int], *, max_tokens: int = 64, temperature: float = 0.0,
+             seed: int | None = None, pieces: bool = False, **extra: Any) -> Completion:
+    """POST /completion. ``prompt`` is text or token ids; ``extra`` goes into the request body."""
+    body: dict[str, Any] = {"prompt": prompt if isinstance(prompt, str) else list(prompt),
+                            "n_predict": max_tokens, "temperature": temperature, "cache_prompt": False, **extra}
+    if seed is not None:
+        body["seed"] = seed
+    if pieces:
+        # The server reports per-token text only through its probabilities output.
+        body["n_probs"] = 1
+    reply = post_json(base_url.rstrip("/") + "/completion", body)
+    token_pieces = [entry["content"] if "content" in entry else entry.get("tok_str", "")
+                    for entry in reply.get("completion_probabilities", [])]
+    return Completion(text=reply.get("content", ""), pieces=token_pieces, timings=reply.get("timings", {}), raw=reply)

@@ -1,0 +1,58 @@
+"""Report what this installation is made of, and whether its pieces work.
+
+    ikdflash doctor           # version, fork base and patches, backends, llama-server
+    ikdflash doctor --json    # the same, machine-readable
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ikdflash import _core, fork
+
+
+def collect() -> dict[str, Any]:
+    """Everything `doctor` reports, as a dict; problems go into "problems"."""
+    info = _core.build_info()
+    pin = fork.base_pin()
+    report: dict[str, Any] = {
+        "version": info["version"],
+        "base": f"ik_llama.cpp {pin['commit']} ({pin['package']} {pin['version']})",
+        "base_commit": pin["commit"],
+        "patches": fork.patches(),
+        "backends": list(info["backends"]),
+        "gpu_offload": bool(info["gpu_offload"]),
+        "cpu_features": info["system"].strip(),
+        "problems": [],
+    }
+    try:
+        report["llama_server"] = str(fork.server_binary())
+        report["llama_server_version"] = fork.server_version()
+    except (OSError, FileNotFoundError) as e:
+        report["llama_server"] = None
+        report["problems"].append(f"llama-server: {e}")
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    report = collect()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 1 if report["problems"] else 0
+    print(f"ikdflash        {report['version']}")
+    print(f"base            {report['base']}")
+    print(f"patches         {len(report['patches'])}" + "".join(f"\n  {p}" for p in report["patches"]))
+    print(f"backends        {', '.join(report['backends'])}")
+    print(f"cpu features    {report['cpu_features']}")
+    print(f"llama-server    {report['llama_server']}")
+    if report.get("llama_server_version"):
+        print("                " + report["llama_server_version"].replace("\n", "\n                "))
+    for problem in report["problems"]:
+        print(f"problem: {problem}")
+    return 1 if report["problems"] else 0

@@ -1,0 +1,93 @@
+"""A target model loaded in the fork: tokenizer and plain greedy generation."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ikdflash import _core
+
+
+@dataclass
+class Generation:
+    """What a generation call produced."""
+
+    text: str
+    tokens: list[int] = field(default_factory=list)
+
+
+class Model:
+    """A GGUF model with its context, loaded by the ik_llama.cpp fork.
+
+    Model parameters: ``n_gpu_layers`` (layers offloaded to the GPU; 0 = CPU only).
+    Context parameters: ``n_ctx`` (tokens of context), ``n_batch`` (prompt tokens per
+    forward pass), ``n_threads`` (CPU threads; None = up to 8, one per core).
+
+    Raises FileNotFoundError for a missing file and ValueError, naming the file and the
+    loader's reason, for anything the fork cannot load. Close it with ``close()``, ``with``,
+    or by dropping the last reference.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, n_ctx: int = 512, n_batch: int = 512,
+                 n_threads: int | None = None, n_gpu_layers: int = 0, verbose: bool = False) -> None:
+        _core.set_verbose(verbose)
+        self._native = _core.Model(os.fspath(path), n_ctx=n_ctx, n_threads=n_threads or 0,
+                                   n_gpu_layers=n_gpu_layers, n_batch=n_batch)
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def close(self) -> None:
+        self._native.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- properties ------------------------------------------------------------------------
+    @property
+    def path(self) -> str:
+        return self._native.path
+
+    @property
+    def architecture(self) -> str:
+        return self._native.meta("general.architecture")
+
+    @property
+    def n_vocab(self) -> int:
+        return self._native.n_vocab
+
+    @property
+    def n_embd(self) -> int:
+        return self._native.n_embd
+
+    @property
+    def n_layer(self) -> int:
+        return self._native.n_layer
+
+    @property
+    def n_ctx(self) -> int:
+        return self._native.n_ctx
+
+    def metadata(self, key: str) -> str:
+        """A GGUF metadata value as text; KeyError when the file has no such key."""
+        return self._native.meta(key)
+
+    # --- tokenizer -------------------------------------------------------------------------
+    def tokenize(self, text: str | bytes, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        return self._native.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, tokens: Sequence[int], *, render_special: bool = False) -> bytes:
+        return self._native.detokenize(list(tokens), render_special=render_special)
+
+    # --- generation ------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 64, stop_at_eog: bool = True) -> Generation:
+        """Greedy decoding with this model alone, the reference speculation must reproduce."""
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        prompt_tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        tokens = self._native.generate_greedy(prompt_tokens, max_tokens, stop_at_eog=stop_at_eog)
+        return Generation(text=self.detokenize(tokens).decode("utf-8", errors="replace"), tokens=tokens)

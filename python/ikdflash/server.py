@@ -1,0 +1,146 @@
+"""Supervise the packaged llama-server: start, wait until ready, stop; never leave an orphan.
+
+    from ikdflash import Server, complete
+    with Server("target.gguf", ctx_size=4096) as url:
+        print(complete(url, "Hello", max_tokens=16).text)
+
+The process has four states: stopped -> starting -> ready -> stopped. Start polls /health
+until a deadline and fails at once if the child exits early; stop sends SIGTERM to the
+process group, waits a grace period, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import IO, Sequence
+
+from ikdflash.fork import server_binary
+
+
+class ServerError(RuntimeError):
+    """llama-server could not be started, or died."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+class Server:
+    """One llama-server process serving ``model``; a context manager yielding its base URL."""
+
+    def __init__(self, model: str | os.PathLike[str], *, ctx_size: int = 4096, host: str = "127.0.0.1",
+                 port: int = 0, n_threads: int | None = None, extra_args: Sequence[str] = (),
+                 log_file: str | os.PathLike[str] | None = None, startup_timeout: float = 120.0,
+                 stop_grace: float = 10.0) -> None:
+        self.model = Path(model)
+        self.host = host
+        self.port = port
+        self.ctx_size = ctx_size
+        self.n_threads = n_threads
+        self.extra_args = list(extra_args)
+        self.log_file = Path(log_file) if log_file else None
+        self.startup_timeout = startup_timeout
+        self.stop_grace = stop_grace
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        """The exact llama-server command line (port resolved when start() runs)."""
+        cmd = [str(server_binary()), "-m", str(self.model), "-c", str(self.ctx_size),
+               "--host", self.host, "--port", str(self.port)]
+        if self.n_threads:
+            cmd += ["-t", str(self.n_threads)]
+        return cmd + self.extra_args
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def start(self) -> str:
+        if self.process is not None:
+            raise ServerError("server already started")
+        if not self.model.is_file():
+            raise FileNotFoundError(f"model file not found: {self.model}")
+        if self.port == 0:
+            self.port = free_port(self.host)
+        elif port_in_use(self.host, self.port):
+            raise ServerError(f"port {self.port} on {self.host} is already in use; pick another or use port 0")
+        if self.log_file:
+            self._log = open(self.log_file, "wb")
+        # Own process group, so stop() reaches anything the server spawns.
+        self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
+                                        stdout=self._log or subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise ServerError(f"llama-server exited with code {code} during start-up{self._log_hint()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass  # not listening yet, or still loading (503)
+            time.sleep(0.1)
+        raise ServerError(f"llama-server not ready after {self.startup_timeout:.0f}s{self._log_hint()}")
+
+    def _log_hint(self) -> str:
+        if self.log_file is None:
+            return " (pass log_file= to keep its log)"
+        tail = self.log_file.read_bytes()[-1500:].decode("utf-8", errors="replace")
+        return f"; last lines of {self.log_file}:\n{tail}"
+
+    def stop(self) -> int | None:
+        """Stop the server and reap it; returns its exit code (None if it was not running)."""
+        process, self.process = self.process, None
+        code = None
+        if process is not None:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+                try:
+                    process.wait(timeout=self.stop_grace)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+            code = process.returncode
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return code
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+

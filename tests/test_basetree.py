@@ -1,0 +1,94 @@
+"""basetree.py: the pinned base is checked, patches apply or fail by name, and the developer
+round trip (export a git tree, commit, refresh patches) reproduces the series."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BASE_DIR = Path(__file__).resolve().parents[1] / "third_party" / "ik_llama"
+
+
+@pytest.fixture
+def basetree(tmp_path, monkeypatch):
+    """A fresh copy of the module whose patch folder points into tmp_path."""
+    spec = importlib.util.spec_from_file_location("basetree_under_test", BASE_DIR / "basetree.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    for p in (BASE_DIR / "patches").iterdir():
+        (patches / p.name).write_bytes(p.read_bytes())
+    monkeypatch.setattr(module, "PATCH_DIR", patches)
+    monkeypatch.setattr(module, "SERIES_FILE", patches / "series")
+    return module
+
+
+@pytest.fixture(scope="module")
+def sdist() -> Path:
+    """The pinned sdist, from IKDFLASH_BASE_SOURCE or the download cache the build filled."""
+    spec = importlib.util.spec_from_file_location("basetree_sdist", BASE_DIR / "basetree.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    source = Path(module.os.environ.get("IKDFLASH_BASE_SOURCE", "")) if module.os.environ.get(
+        "IKDFLASH_BASE_SOURCE") else None
+    return source if source and source.is_file() else module.download_sdist(module.read_pin())
+
+
+def test_prepare_applies_the_series_and_is_idempotent(basetree, sdist, tmp_path):
+    dest = tmp_path / "tree"
+    basetree.prepare(dest, str(sdist))
+    stamp = basetree.read_stamp(dest)
+    assert stamp["commit"] == "55d3c05"
+    assert (dest / "common" / "cmake" / "build-info-gen-cpp.cmake").is_file()
+    marker = dest / "untouched"
+    marker.write_text("prepare must not rebuild an unchanged tree")
+    basetree.prepare(dest, str(sdist))
+    assert marker.exists()
+
+
+def test_wrong_hash_is_refused(basetree, tmp_path):
+    fake = tmp_path / "ik_llama_cpp_python-0.1.5.tar.gz"
+    fake.write_bytes(b"not the sdist")
+    with pytest.raises(basetree.BaseTreeError, match="does not match the pin"):
+        basetree.prepare(tmp_path / "tree", str(fake))
+    assert not (tmp_path / "tree").exists()
+
+
+def test_patch_that_does_not_apply_is_named(basetree, sdist, tmp_path):
+    bad = basetree.PATCH_DIR / "9999-broken.patch"
+    bad.write_text("--- a/src/llama.cpp\n+++ b/src/llama.cpp\n@@ -1,1 +1,1 @@\n-no such line\n+x\n")
+    with open(basetree.SERIES_FILE, "a") as series:
+        series.write(bad.name + "\n")
+    with pytest.raises(basetree.BaseTreeError, match="patch 9999-broken.patch does not apply"):
+        basetree.prepare(tmp_path / "tree", str(sdist))
+    assert not (tmp_path / "tree").exists()
+
+
+def test_export_then_refresh_round_trip(basetree, sdist, tmp_path):
+    tree = tmp_path / "fork"
+    basetree.export(tree, str(sdist))
+    log = subprocess.run(["git", "log", "--format=%s"], cwd=tree, capture_output=True, text=True).stdout.splitlines()
+    assert len(log) == 1 + len(basetree.patch_series())
+    # a developer commits a change in the tree...
+    readme = tree / "README.md"
+    readme.write_text(readme.read_text() + "\nikdflash round-trip test\n")
+    subprocess.run(["git", "commit", "-qam", "docs: round-trip test"], cwd=tree, check=True,
+                   env={**basetree.os.environ, **basetree.GIT_IDENTITY})
+    # ...and refresh turns every commit since the base back into the series
+    basetree.refresh(tree)
+    names = basetree.SERIES_FILE.read_text().split()
+    assert len(names) == len(log)
+    newest = (basetree.PATCH_DIR / names[-1]).read_text()
+    assert "Subject: docs: round-trip test" in newest and "+ikdflash round-trip test" in newest
+
+
+def test_cli_reports_errors_without_a_traceback(tmp_path):
+    result = subprocess.run([sys.executable, str(BASE_DIR / "basetree.py"), "refresh", str(tmp_path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "ikdflash-base: error:" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,48 @@
+"""The installed package knows what it is built from, and its llama-server runs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import ikdflash
+from ikdflash import doctor, fork
+
+PIN_FILE = Path(__file__).resolve().parents[1] / "third_party" / "ik_llama" / "pin.txt"
+
+
+def test_version_and_backends():
+    info = ikdflash.build_info()
+    assert info["version"] == ikdflash.__version__
+    assert "CPU" in info["backends"]
+    assert "AVX" in info["system"] or "NEON" in info["system"]
+
+
+def test_pin_matches_the_repository():
+    installed = fork.base_pin()
+    assert f"sha256={installed['sha256']}" in PIN_FILE.read_text()
+    assert installed["commit"] == "55d3c05"
+
+
+def test_packaged_server_reports_the_base_commit():
+    server = fork.server_binary()
+    assert server.parent.name == "bin" and server.parent.parent == fork.PACKAGE_DIR
+    assert "55d3c05" in fork.server_version()
+
+
+def test_doctor_json_is_complete():
+    out = subprocess.run([sys.executable, "-m", "ikdflash.cli", "doctor", "--json"],
+                         capture_output=True, text=True, check=True, cwd="/")
+    report = json.loads(out.stdout)
+    assert report["problems"] == []
+    assert report["base_commit"] == "55d3c05"
+    assert report["patches"] == fork.patches()
+    assert report["llama_server"] == str(fork.server_binary())
+
+
+def test_doctor_text_names_every_section():
+    report = doctor.collect()
+    out = subprocess.run(["ikdflash", "doctor"], capture_output=True, text=True, check=True, cwd="/").stdout
+    for label in ("ikdflash", "base", "patches", "backends", "llama-server"):
+        assert label in out
+    assert report["version"] in out

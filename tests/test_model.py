@@ -1,0 +1,106 @@
+"""Loading targets in the fork, the tokenizer, greedy generation, and the errors bad files get."""
+
+from pathlib import Path
+
+import pytest
+
+from ikdflash import Model
+from conftest import TARGET_ARCHS
+
+TEXT = "the quick brown fox jumps over the lazy dog, then the cat sat on the mat."
+
+
+@pytest.mark.parametrize("arch", TARGET_ARCHS)
+def test_loads_with_its_architecture(tiny_model, arch):
+    with Model(tiny_model(arch), n_ctx=256) as model:
+        assert model.architecture == arch
+        assert model.n_layer == 4
+        assert model.n_vocab > 256
+
+
+@pytest.mark.parametrize("arch", TARGET_ARCHS)
+def test_tokenizer_round_trip(tiny_model, arch):
+    with Model(tiny_model(arch), n_ctx=256) as model:
+        tokens = model.tokenize(TEXT, add_special=False)
+        assert 0 < len(tokens) < len(TEXT.encode())  # merges apply: fewer tokens than bytes
+        assert model.detokenize(tokens).decode() == TEXT
+
+
+@pytest.mark.parametrize("arch", TARGET_ARCHS)
+def test_greedy_generation_is_deterministic(tiny_model, arch):
+    with Model(tiny_model(arch), n_ctx=256) as model:
+        first = model.generate(TEXT, max_tokens=24, stop_at_eog=False)
+        again = model.generate(TEXT, max_tokens=24, stop_at_eog=False)
+        assert len(first.tokens) == 24
+        assert first.tokens == again.tokens
+        assert len(set(first.tokens)) > 1  # the random model is not stuck on one token
+        assert first.text == model.detokenize(first.tokens).decode("utf-8", errors="replace")
+
+
+def test_prompt_longer_than_a_batch_gives_the_same_tokens(tiny_model):
+    path = tiny_model("qwen35moe")
+    prompt = (TEXT * 6)
+    with Model(path, n_ctx=512, n_batch=512) as whole, Model(path, n_ctx=512, n_batch=16) as chunked:
+        assert whole.generate(prompt, max_tokens=12, stop_at_eog=False).tokens == \
+            chunked.generate(prompt, max_tokens=12, stop_at_eog=False).tokens
+
+
+def test_generation_stops_at_the_context_limit(tiny_model):
+    with Model(tiny_model("llama"), n_ctx=64) as model:
+        prompt = model.tokenize(TEXT, add_special=False)
+        out = model.generate(prompt, max_tokens=500, stop_at_eog=False)
+        assert len(prompt) + len(out.tokens) == 64
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+def test_missing_file(tmp_path):
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        Model(missing)
+
+
+def test_not_a_gguf(tmp_path):
+    bogus = tmp_path / "weights.bin"
+    bogus.write_bytes(b"PK\x03\x04 this is a zip file, not a model")
+    with pytest.raises(ValueError, match=r"weights\.bin: not a GGUF file"):
+        Model(bogus)
+
+
+def test_truncated_gguf(tiny_model, tmp_path):
+    whole = tiny_model("llama").read_bytes()
+    cut = tmp_path / "truncated.gguf"
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"truncated\.gguf: failed to load model"):
+        Model(cut)
+
+
+def test_unknown_architecture(tiny_model, tmp_path):
+    whole = tiny_model("llama").read_bytes()
+    # Same length, so every offset in the file stays valid: only the name changes.
+    renamed = whole.replace(b"llama.", b"ll4ma.").replace(b"\x05\x00\x00\x00\x00\x00\x00\x00llama",
+                                                           b"\x05\x00\x00\x00\x00\x00\x00\x00ll4ma")
+    assert renamed != whole
+    path = tmp_path / "alien.gguf"
+    path.write_bytes(renamed)
+    with pytest.raises(ValueError, match=r"alien\.gguf: .*unknown model architecture: 'll4ma'"):
+        Model(path)
+
+
+@pytest.mark.parametrize("bad", [{"n_ctx": 0}])
+def test_bad_parameters(tiny_model, bad):
+    with pytest.raises(ValueError, match="n_ctx must be at least 1"):
+        Model(tiny_model("llama"), **bad)
+
+
+def test_out_of_vocabulary_tokens(tiny_model):
+    with Model(tiny_model("llama"), n_ctx=64) as model:
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            model.generate([1, 2, model.n_vocab + 5], max_tokens=2)
+
+
+def test_closed_model_refuses_work(tiny_model):
+    model = Model(tiny_model("llama"), n_ctx=64)
+    model.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        model.tokenize("hello")

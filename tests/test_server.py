@@ -1,0 +1,50 @@
+"""The packaged llama-server, started for real on 127.0.0.1, agrees with _core token for token."""
+
+import os
+import socket
+
+import pytest
+
+from ikdflash import Model, Server, ServerError, complete
+
+PROMPT = "once upon a time there was a little server that could"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+def test_server_greedy_matches_core(tiny_model, tmp_path, arch):
+    path = tiny_model(arch)
+    with Model(path, n_ctx=512) as model:
+        prompt = model.tokenize(PROMPT, add_special=False)
+        expected = model.generate(prompt, max_tokens=32, stop_at_eog=False).tokens
+        expected_pieces = [model.detokenize([t]).decode("utf-8", errors="replace") for t in expected]
+
+    with Server(path, ctx_size=512, n_threads=2, log_file=tmp_path / "server.log") as url:
+        reply = complete(url, prompt, max_tokens=32, temperature=0.0, pieces=True, ignore_eos=True)
+    assert reply.raw["tokens_predicted"] == len(expected)
+    assert reply.pieces == expected_pieces
+    assert reply.text == "".join(expected_pieces)
+
+
+def test_server_stops_and_is_reaped(tiny_model):
+    server = Server(tiny_model("llama"), ctx_size=256, n_threads=1)
+    server.start()
+    pid = server.process.pid
+    assert server.stop() is not None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_port_in_use_is_refused(tiny_model):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ServerError, match=f"port {port} on 127.0.0.1 is already in use"):
+            Server(tiny_model("llama"), port=port).start()
+
+
+def test_server_dying_on_start_is_reported(tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ServerError, match="exited with code"):
+        Server(broken, log_file=tmp_path / "server.log").start()
