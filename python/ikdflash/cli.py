@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ikdflash import __version__, doctor
+from ikdflash import __version__, convert, doctor
 
-SUBCOMMANDS = {"doctor": doctor}
+SUBCOMMANDS = {"convert": convert, "doctor": doctor}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,157 @@
+// _core.Draft: the DFlash draft on its own, for tests and research: given context features, a
+// first token and a start position, the logits of one draft step.
+
+#include "model.h"
+
+#include "dflash.h"
+#include "dflash-mask.h"
+
+#include <pybind11/numpy.h>
+
+namespace ikdflash {
+
+namespace {
+
+class Draft {
+public:
+    Draft(Model & target, const std::string & path, int n_threads) : path_(path), n_vocab_(target.n_vocab()) {
+        {
+            py::gil_scoped_release release;
+            draft_ = dflash_draft_load(path.c_str(), target.raw_model(), n_threads > 0 ? n_threads : default_threads());
+        }
+        if (draft_ == nullptr) {
+            const std::string reason = dflash_last_error();
+            if (reason.find("file not found") != std::string::npos) {
+                PyErr_SetString(PyExc_FileNotFoundError, reason.c_str());
+                throw py::error_already_set();
+            }
+            throw py::value_error(reason);
+        }
+    }
+
+    ~Draft() { close(); }
+
+    void close() {
+        dflash_draft_free(draft_);
+        draft_ = nullptr;
+    }
+
+    // One draft step over a fresh cross-context holding the given rows.
+    py::tuple forward(py::array_t<float, py::array::c_style | py::array::forcecast> features,
+                      py::array_t<int32_t, py::array::c_style | py::array::forcecast> positions, int first_token,
+                      int start, int cross_ctx, bool full_attention) {
+        open();
+        const int n_feat = dflash_draft_n_target_features(draft_);
+        if (features.ndim() != 2 || features.shape(1) != n_feat) {
+            throw py::value_error("features must have shape (rows, " + std::to_string(n_feat) + ")");
+        }
+        const int n_rows = (int) features.shape(0);
+        if (positions.ndim() != 1 || positions.shape(0) != n_rows) {
+            throw py::value_error("positions must have one entry per feature row");
+        }
+        const int block = dflash_draft_block_size(draft_);
+        py::array_t<float> logits({block, n_vocab_});
+        std::vector<llama_token> tokens(block - 1);
+        int rc = 0;
+        {
+            py::gil_scoped_release release;
+            dflash_cache * cache = dflash_cache_init(draft_, cross_ctx, full_attention);
+            rc = cache == nullptr ? -1 : 0;
+            if (rc == 0 && n_rows > 0) {
+                rc = dflash_cache_append(draft_, cache, features.data(), positions.data(), n_rows);
+            }
+            if (rc == 0) {
+                rc = dflash_draft_step(draft_, cache, first_token, start, logits.mutable_data(), tokens.data());
+            }
+            dflash_cache_free(cache);
+        }
+        if (rc != 0) {
+            throw py::value_error(path_ + ": " + dflash_last_error());
+        }
+        return py::make_tuple(logits, tokens);
+    }
+
+    py::dict info() {
+        open();
+        py::dict out;
+        out["format"] = dflash_draft_format(draft_);
+        out["n_layer"] = dflash_draft_n_layer(draft_);
+        out["block_size"] = dflash_draft_block_size(draft_);
+        out["mask_token"] = dflash_draft_mask_token(draft_);
+        out["sliding_window"] = dflash_draft_sliding_window(draft_);
+        py::list sliding, causal, ids;
+        for (int il = 0; il < dflash_draft_n_layer(draft_); ++il) {
+            sliding.append(dflash_draft_layer_is_sliding(draft_, il));
+            causal.append(dflash_draft_layer_is_causal(draft_, il));
+        }
+        for (int i = 0; i < dflash_draft_n_target_layers(draft_); ++i) {
+            ids.append(dflash_draft_target_layer_id(draft_, i));
+        }
+        out["sliding"] = sliding;
+        out["causal"] = causal;
+        out["target_layer_ids"] = ids;
+        out["n_target_features"] = dflash_draft_n_target_features(draft_);
+        return out;
+    }
+
+    // Capacity and size of a cross-context for this draft, without filling it.
+    py::dict cache_layout(int cross_ctx, bool full_attention) {
+        open();
+        dflash_cache * cache = dflash_cache_init(draft_, cross_ctx, full_attention);
+        if (cache == nullptr) {
+            throw py::value_error(dflash_last_error());
+        }
+        py::list capacity;
+        for (int il = 0; il < dflash_draft_n_layer(draft_); ++il) {
+            capacity.append(dflash_cache_capacity(cache, il));
+        }
+        py::dict out;
+        out["capacity"] = capacity;
+        out["bytes"] = dflash_cache_size_bytes(cache);
+        dflash_cache_free(cache);
+        return out;
+    }
+
+private:
+    void open() const {
+        if (draft_ == nullptr) {
+            throw std::runtime_error(path_ + ": draft is closed");
+        }
+    }
+
+    std::string path_;
+    dflash_draft * draft_ = nullptr;
+    int n_vocab_ = 0;
+};
+
+// The mask rule as a float matrix (0 visible, -inf hidden), rows = padded queries.
+py::array_t<float> attention_mask(std::vector<int32_t> key_positions, int start, int n_query, bool sliding,
+                                  bool causal, int window, int kv_pad) {
+    const dflash_mask_rule rule{sliding, causal, window};
+    const int n_ctx = (int) key_positions.size();
+    const int rows = dflash_mask_rows(n_query), cols = dflash_mask_cols(n_ctx + n_query, kv_pad);
+    std::vector<ggml_fp16_t> half((size_t) rows * cols);
+    dflash_fill_mask(half.data(), rule, key_positions.data(), n_ctx, start, n_query, kv_pad);
+    py::array_t<float> out({rows, cols});
+    float * data = out.mutable_data();
+    for (size_t i = 0; i < half.size(); ++i) {
+        data[i] = ggml_fp16_to_fp32(half[i]);
+    }
+    return out;
+}
+
+}  // namespace
+
+void bind_draft(py::module_ & m) {
+    py::class_<Draft>(m, "Draft")
+        .def(py::init<Model &, const std::string &, int>(), py::arg("target"), py::arg("path"), py::arg("n_threads") = 0, py::keep_alive<1, 2>())
+        .def("close", &Draft::close)
+        .def("info", &Draft::info)
+        .def("cache_layout", &Draft::cache_layout, py::arg("cross_ctx"), py::arg("full_attention") = false)
+        .def("forward", &Draft::forward, py::arg("features"), py::arg("positions"), py::arg("first_token"),
+             py::arg("start"), py::arg("cross_ctx") = 1 << 20, py::arg("full_attention") = false);
+    m.def("attention_mask", &attention_mask, py::arg("key_positions"), py::arg("start"), py::arg("n_query"),
+          py::arg("sliding"), py::arg("causal"), py::arg("window"), py::arg("kv_pad") = 1);
+}
+
+}  // namespace ikdflash

@@ -1,0 +1,260 @@
+// The target model as the bindings hold it, and the fork's log capture; shared by the
+// binding files of _core.
+
+#pragma once
+
+#include "llama.h"
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace ikdflash {
+
+// --- logging ----------------------------------------------------------------------------
+// The fork reports why a load failed only through its log. We keep the recent error lines to
+// put them into the Python exception, and print everything only when asked (verbose).
+
+inline std::mutex g_log_mutex;
+inline bool g_log_verbose = false;
+inline std::vector<std::string> g_log_errors;
+
+inline void log_callback(ggml_log_level level, const char * text, void * /*user_data*/) {
+    std::lock_guard<std::mutex> lock(g_log_mutex);
+    if (level == GGML_LOG_LEVEL_ERROR && text != nullptr) {
+        std::string line(text);
+        while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) {
+            line.pop_back();
+        }
+        if (!line.empty()) {
+            g_log_errors.push_back(line);
+            if (g_log_errors.size() > 8) {
+                g_log_errors.erase(g_log_errors.begin());
+            }
+        }
+    }
+    if (g_log_verbose) {
+        fputs(text, stderr);
+    }
+}
+
+inline std::string take_log_errors() {
+    std::lock_guard<std::mutex> lock(g_log_mutex);
+    std::string joined;
+    for (const auto & line : g_log_errors) {
+        joined += (joined.empty() ? "" : "; ") + line;
+    }
+    g_log_errors.clear();
+    return joined;
+}
+
+// --- model loading ------------------------------------------------------------------------
+
+// Checks the fork would only report as a generic "failed to load", made specific up front.
+inline void check_model_file(const std::string & path) {
+    std::ifstream file(path, std::ios::binary);
+    if (!file) {
+        PyErr_SetString(PyExc_FileNotFoundError, ("model file not found: " + path).c_str());
+        throw py::error_already_set();
+    }
+    char magic[4] = {0, 0, 0, 0};
+    file.read(magic, 4);
+    if (file.gcount() != 4 || std::memcmp(magic, "GGUF", 4) != 0) {
+        throw py::value_error(path + ": not a GGUF file (the file does not start with 'GGUF')");
+    }
+}
+
+inline int default_threads() {
+    return std::max(1, std::min(8, (int) std::thread::hardware_concurrency()));
+}
+
+class Model {
+public:
+    Model(const std::string & path, int n_ctx, int n_threads, int n_gpu_layers, int n_batch)
+        : path_(path) {
+        check_model_file(path);
+        if (n_ctx < 1) {
+            throw py::value_error("n_ctx must be at least 1, got " + std::to_string(n_ctx));
+        }
+        llama_model_params mparams = llama_model_default_params();
+        mparams.n_gpu_layers = n_gpu_layers;
+        take_log_errors();
+        {
+            py::gil_scoped_release release;
+            model_ = llama_model_load_from_file(path.c_str(), mparams);
+        }
+        if (model_ == nullptr) {
+            throw py::value_error(path + ": failed to load model: " + describe_failure());
+        }
+        llama_context_params cparams = llama_context_default_params();
+        cparams.n_ctx = n_ctx;
+        cparams.n_batch = std::min(n_batch, n_ctx);
+        cparams.n_ubatch = cparams.n_batch;
+        cparams.n_threads = cparams.n_threads_batch = n_threads > 0 ? n_threads : default_threads();
+        {
+            py::gil_scoped_release release;
+            ctx_ = llama_init_from_model(model_, cparams);
+        }
+        if (ctx_ == nullptr) {
+            llama_free_model(model_);
+            model_ = nullptr;
+            throw py::value_error(path + ": failed to create a context: " + describe_failure());
+        }
+    }
+
+    ~Model() { close(); }
+
+    void close() {
+        if (ctx_ != nullptr) {
+            llama_free(ctx_);
+            ctx_ = nullptr;
+        }
+        if (model_ != nullptr) {
+            llama_free_model(model_);
+            model_ = nullptr;
+        }
+    }
+
+    std::vector<llama_token> tokenize(const std::string & text, bool add_special, bool parse_special) const {
+        ensure_open();
+        const int n_max = (int) text.size() + 8;
+        std::vector<llama_token> tokens(n_max);
+        int n = llama_tokenize(model_, text.data(), (int) text.size(), tokens.data(), n_max, add_special, parse_special);
+        if (n < 0) {
+            tokens.resize(-n);
+            n = llama_tokenize(model_, text.data(), (int) text.size(), tokens.data(), -n, add_special, parse_special);
+        }
+        tokens.resize(std::max(n, 0));
+        return tokens;
+    }
+
+    py::bytes detokenize(const std::vector<llama_token> & tokens, bool render_special) const {
+        ensure_open();
+        check_tokens(tokens);
+        std::string text(tokens.size() * 8 + 16, '\0');
+        const llama_vocab * vocab = llama_model_get_vocab(model_);
+        int n = llama_detokenize(vocab, tokens.data(), (int) tokens.size(), text.data(), (int) text.size(), false, render_special);
+        if (n < 0) {
+            text.resize(-n);
+            n = llama_detokenize(vocab, tokens.data(), (int) tokens.size(), text.data(), (int) text.size(), false, render_special);
+        }
+        text.resize(std::max(n, 0));
+        return py::bytes(text);
+    }
+
+    // Greedy decoding with the target alone: the reference every speculative path must equal.
+    std::vector<llama_token> generate_greedy(const std::vector<llama_token> & prompt, int max_tokens, bool stop_at_eog) {
+        ensure_open();
+        if (prompt.empty()) {
+            throw py::value_error("prompt is empty: give at least one token");
+        }
+        check_tokens(prompt);
+        const int n_ctx = (int) llama_n_ctx(ctx_);
+        if ((int) prompt.size() >= n_ctx) {
+            throw py::value_error("prompt has " + std::to_string(prompt.size()) + " tokens but n_ctx is " +
+                                  std::to_string(n_ctx));
+        }
+        std::vector<llama_token> out;
+        std::string error;
+        {
+            py::gil_scoped_release release;
+            error = run_greedy(prompt, max_tokens, stop_at_eog, out);
+        }
+        if (!error.empty()) {
+            throw std::runtime_error(path_ + ": " + error);
+        }
+        return out;
+    }
+
+    int n_vocab() const { ensure_open(); return llama_n_vocab(model_); }
+    int n_embd() const { ensure_open(); return llama_model_n_embd(model_); }
+    int n_layer() const { ensure_open(); return llama_n_layer(model_); }
+    int n_ctx() const { ensure_open(); return (int) llama_n_ctx(ctx_); }
+    const std::string & path() const { return path_; }
+
+    std::string meta(const std::string & key) const {
+        ensure_open();
+        char buf[512];
+        const int n = llama_model_meta_val_str(model_, key.c_str(), buf, sizeof(buf));
+        if (n < 0) {
+            throw py::key_error(key);
+        }
+        return std::string(buf, std::min<size_t>(n, sizeof(buf) - 1));
+    }
+
+private:
+    std::string run_greedy(const std::vector<llama_token> & prompt, int max_tokens, bool stop_at_eog,
+                           std::vector<llama_token> & out) {
+        llama_kv_cache_clear(ctx_);
+        const int n_batch = (int) llama_n_batch(ctx_);
+        const int n_ctx = (int) llama_n_ctx(ctx_);
+        std::vector<llama_token> pending(prompt);
+        int n_past = 0;
+        while ((int) out.size() < max_tokens) {
+            // the prompt goes in n_batch chunks; afterwards one token per step
+            for (size_t i = 0; i < pending.size(); i += n_batch) {
+                const int n = (int) std::min<size_t>(n_batch, pending.size() - i);
+                llama_batch batch = llama_batch_get_one(pending.data() + i, n, n_past, 0);
+                const int rc = llama_decode(ctx_, batch);
+                if (rc != 0) {
+                    return "llama_decode failed with code " + std::to_string(rc) + " at position " + std::to_string(n_past);
+                }
+                n_past += n;
+            }
+            const float * logits = llama_get_logits_ith(ctx_, -1);
+            const int n_vocab = llama_n_vocab(model_);
+            const llama_token next = (llama_token) (std::max_element(logits, logits + n_vocab) - logits);
+            if (stop_at_eog && llama_token_is_eog(model_, next)) {
+                break;
+            }
+            out.push_back(next);
+            if (n_past + 1 >= n_ctx) {
+                break;  // context full: the token is emitted but cannot be decoded
+            }
+            pending.assign(1, next);
+        }
+        return "";
+    }
+
+    void ensure_open() const {
+        if (model_ == nullptr) {
+            throw std::runtime_error(path_ + ": model is closed");
+        }
+    }
+
+    void check_tokens(const std::vector<llama_token> & tokens) const {
+        const int n_vocab = llama_n_vocab(model_);
+        for (size_t i = 0; i < tokens.size(); ++i) {
+            if (tokens[i] < 0 || tokens[i] >= n_vocab) {
+                throw py::value_error("token " + std::to_string(tokens[i]) + " at index " + std::to_string(i) +
+                                      " is outside the vocabulary (size " + std::to_string(n_vocab) + ")");
+            }
+        }
+    }
+
+    static std::string describe_failure() {
+        std::string reason = take_log_errors();
+        return reason.empty() ? "no reason given by the loader (try verbose=True)" : reason;
+    }
+
+public:
+    llama_model * raw_model() const { ensure_open(); return model_; }
+
+private:
+    std::string path_;
+    llama_model * model_ = nullptr;
+    llama_context * ctx_ = nullptr;
+};
+
+}  // namespace ikdflash

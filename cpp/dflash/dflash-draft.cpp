@@ -1,0 +1,755 @@
+// DFlash draft: loading and checking the GGUF, the cross-context, and the draft step graph.
+// The math is docs/dflash.md; names of keys and tensors are docs/gguf-dflash.md.
+
+#include "dflash.h"
+#include "dflash-mask.h"
+
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "llama-model.h"  // the target's token_embd / output tensors
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+thread_local std::string g_last_error;
+
+// Thrown inside this file only; the C entry points turn it into dflash_last_error().
+struct dflash_error : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+template <typename... Args>
+[[noreturn]] void fail(const char * fmt, Args... args) {
+    char buf[1024];
+    snprintf(buf, sizeof(buf), fmt, args...);
+    throw dflash_error(buf);
+}
+
+constexpr int k_max_graph_nodes = 8192;
+constexpr int k_append_chunk = 256;  // context rows projected per graph
+
+// --- GGUF metadata helpers -------------------------------------------------------------------
+
+struct gguf_meta {
+    gguf_context * ctx;
+    std::string prefix;  // "<arch>."
+
+    int find(const std::string & key) const { return gguf_find_key(ctx, key.c_str()); }
+    bool has(const std::string & key) const { return find(key) >= 0; }
+
+    int64_t integer(const std::string & key, int64_t fallback, bool required = false) const {
+        const int id = find(key);
+        if (id < 0) {
+            if (required) {
+                fail("missing required key '%s'", key.c_str());
+            }
+            return fallback;
+        }
+        switch (gguf_get_kv_type(ctx, id)) {
+            case GGUF_TYPE_UINT32: return gguf_get_val_u32(ctx, id);
+            case GGUF_TYPE_INT32:  return gguf_get_val_i32(ctx, id);
+            case GGUF_TYPE_UINT64: return (int64_t) gguf_get_val_u64(ctx, id);
+            case GGUF_TYPE_INT64:  return gguf_get_val_i64(ctx, id);
+            default: fail("key '%s' is not an integer", key.c_str());
+        }
+    }
+
+    float real(const std::string & key, float fallback) const {
+        const int id = find(key);
+        if (id < 0) {
+            return fallback;
+        }
+        if (gguf_get_kv_type(ctx, id) != GGUF_TYPE_FLOAT32) {
+            fail("key '%s' is not a float32", key.c_str());
+        }
+        return gguf_get_val_f32(ctx, id);
+    }
+
+    // Integer or bool array (a scalar is repeated n times when n > 0).
+    std::vector<int64_t> integers(const std::string & key, int n = 0) const {
+        const int id = find(key);
+        std::vector<int64_t> out;
+        if (id < 0) {
+            return out;
+        }
+        if (gguf_get_kv_type(ctx, id) != GGUF_TYPE_ARRAY) {
+            out.assign(std::max(n, 1), gguf_get_kv_type(ctx, id) == GGUF_TYPE_BOOL ? gguf_get_val_bool(ctx, id)
+                                                                                   : integer(key, 0));
+            return out;
+        }
+        const int len = gguf_get_arr_n(ctx, id);
+        const void * data = gguf_get_arr_data(ctx, id);
+        for (int i = 0; i < len; ++i) {
+            switch (gguf_get_arr_type(ctx, id)) {
+                case GGUF_TYPE_BOOL:   out.push_back(((const int8_t *) data)[i] != 0); break;
+                case GGUF_TYPE_INT32:  out.push_back(((const int32_t *) data)[i]); break;
+                case GGUF_TYPE_UINT32: out.push_back(((const uint32_t *) data)[i]); break;
+                default: fail("key '%s' must be an array of integers or bools", key.c_str());
+            }
+        }
+        return out;
+    }
+};
+
+// How the two draft formats name things (docs: gguf-dflash.md §4.4).
+struct draft_format {
+    const char * arch;
+    const char * fc;
+    const char * hidden_norm;
+    const char * ffn_norm;
+};
+const draft_format k_formats[] = {
+    {"dflash-draft", "dflash_fc.weight", "dflash_hidden_norm.weight", "post_attention_norm"},
+    {"dflash",       "fc.weight",        "enc.output_norm.weight",    "ffn_norm"},
+};
+
+struct draft_layer {
+    ggml_tensor * attn_norm, * ffn_norm;
+    ggml_tensor * wq, * wk, * wv, * wo, * q_norm, * k_norm;
+    ggml_tensor * ffn_gate, * ffn_up, * ffn_down;
+};
+
+ggml_tensor * rms_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * weight, float eps) {
+    return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), weight);
+}
+
+}  // namespace
+
+struct dflash_draft {
+    std::string path;
+    const draft_format * format = nullptr;
+
+    // hyper-parameters
+    int n_layer = 0, n_embd = 0, n_head = 0, n_head_kv = 0, head_dim = 0, n_ff = 0;
+    int block_size = 16, mask_token = -1, window = 0, n_ctx_train = 0, n_vocab = 0;
+    float rms_eps = 1e-6f, rope_base = 10000.0f;
+    float embedding_scale = 1.0f, output_multiplier = 1.0f, logit_softcap = 0.0f;
+    std::vector<int> target_ids;
+    int n_target_features = 0;
+    std::vector<bool> sliding, causal;
+
+    // weights (ours), and the target's embedding and head when the draft has none
+    ggml_context * ctx_w = nullptr;
+    ggml_backend_buffer_t buf_w = nullptr;
+    ggml_tensor * fc = nullptr, * hidden_norm = nullptr, * output_norm = nullptr;
+    ggml_tensor * tok_embd = nullptr, * output = nullptr;
+    std::vector<draft_layer> layers;
+
+    ggml_backend_t backend = nullptr;
+    ggml_gallocr_t galloc = nullptr;
+    std::vector<uint8_t> graph_meta;
+
+    ~dflash_draft() {
+        if (galloc) ggml_gallocr_free(galloc);
+        if (buf_w) ggml_backend_buffer_free(buf_w);
+        if (ctx_w) ggml_free(ctx_w);
+        if (backend) ggml_backend_free(backend);
+    }
+
+    dflash_mask_rule rule(int il, bool full_attention) const {
+        const bool is_sliding = sliding[il] && !full_attention;
+        return {is_sliding, full_attention ? false : causal[il], window};
+    }
+
+    ggml_context * graph_context() {
+        ggml_init_params params = {graph_meta.size(), graph_meta.data(), /*no_alloc=*/true};
+        return ggml_init(params);
+    }
+
+    void allocate(ggml_cgraph * gf) {
+        if (!ggml_gallocr_alloc_graph(galloc, gf)) {
+            fail("could not allocate the draft's compute buffer");
+        }
+    }
+};
+
+struct dflash_cache_layer {
+    ggml_tensor * k = nullptr;    // [head_dim * n_head_kv, capacity], F32, a ring
+    ggml_tensor * v = nullptr;
+    int capacity = 0;
+    std::vector<int32_t> slot_pos;  // position held by each used slot
+    int n_used = 0;
+    int next = 0;                   // slot the next row goes to
+};
+
+struct dflash_cache {
+    int cross_ctx = 0;
+    bool full_attention = false;
+    int32_t last_pos = -1;
+    ggml_context * ctx = nullptr;
+    ggml_backend_buffer_t buf = nullptr;
+    std::vector<dflash_cache_layer> layers;
+
+    ~dflash_cache() {
+        if (buf) ggml_backend_buffer_free(buf);
+        if (ctx) ggml_free(ctx);
+    }
+};
+
+namespace {
+
+// --- loading ---------------------------------------------------------------------------------
+
+void read_hparams(dflash_draft & d, const gguf_meta & m) {
+    const std::string & p = m.prefix;
+    d.n_layer = (int) m.integer(p + "block_count", 0, true);
+    d.n_embd = (int) m.integer(p + "embedding_length", 0, true);
+    d.n_ff = (int) m.integer(p + "feed_forward_length", 0, true);
+    d.n_head = (int) m.integer(p + "attention.head_count", 0, true);
+    d.n_head_kv = (int) m.integer(p + "attention.head_count_kv", d.n_head);
+    d.head_dim = (int) m.integer(p + "attention.key_length", d.n_head > 0 ? d.n_embd / d.n_head : 0);
+    d.n_ctx_train = (int) m.integer(p + "context_length", 0);
+    d.rms_eps = m.real(p + "attention.layer_norm_rms_epsilon", -1.0f);
+    d.rope_base = m.real(p + "rope.freq_base", 10000.0f);
+    if (d.n_layer < 1 || d.n_embd < 1 || d.n_head < 1 || d.n_head_kv < 1 || d.head_dim < 1 || d.n_ff < 1) {
+        fail("invalid sizes: %d layers, embedding %d, %d/%d heads of %d, ffn %d", d.n_layer, d.n_embd, d.n_head,
+             d.n_head_kv, d.head_dim, d.n_ff);
+    }
+    if (d.n_head % d.n_head_kv != 0) {
+        fail("%d query heads are not a multiple of %d kv heads", d.n_head, d.n_head_kv);
+    }
+    if (d.rms_eps <= 0.0f) {
+        fail("missing required key '%sattention.layer_norm_rms_epsilon'", p.c_str());
+    }
+    if (m.integer(p + "attention.value_length", d.head_dim) != d.head_dim) {
+        fail("value_length differs from key_length: not supported");
+    }
+    const int64_t n_rot = m.integer(p + "rope.dimension_count", d.head_dim);
+    if (n_rot != d.head_dim) {
+        fail("partial rotary embedding (rope.dimension_count %d of head %d) is not supported", (int) n_rot, d.head_dim);
+    }
+
+    d.block_size = (int) m.integer(p + "block_size", 16);
+    if (m.has(p + "dflash.block_size")) {
+        d.block_size = (int) m.integer(p + "dflash.block_size", 16);
+    }
+    if (d.block_size < 2) {
+        fail("block_size must be at least 2, got %d", d.block_size);
+    }
+
+    std::vector<int64_t> ids;
+    if (d.format == &k_formats[0]) {
+        d.mask_token = (int) m.integer(p + "dflash.mask_token_id", -1, true);
+        ids = m.integers(p + "dflash.target_layer_ids");
+        if (ids.empty()) {
+            fail("missing required key '%sdflash.target_layer_ids'", p.c_str());
+        }
+    } else {
+        // upstream llama.cpp: the mask id moved to the tokenizer section, and files that have it
+        // there number target layers from 1 (the input of layer id+1); older files use 0-based ids
+        const bool newer = m.has("tokenizer.ggml.mask_token_id");
+        d.mask_token = (int) m.integer(newer ? "tokenizer.ggml.mask_token_id" : p + "mask_token_id", -1, true);
+        ids = m.integers(p + "target_layers");
+        if (ids.empty()) {
+            fail("missing required key '%starget_layers'", p.c_str());
+        }
+        for (auto & id : ids) {
+            id -= newer ? 1 : 0;
+        }
+    }
+    for (int64_t id : ids) {
+        if (id < 0) {
+            fail("negative target layer id %d", (int) id);
+        }
+        if (std::count(ids.begin(), ids.end(), id) > 1) {
+            fail("target layer id %d is listed twice", (int) id);
+        }
+        d.target_ids.push_back((int) id);
+    }
+
+    d.window = (int) m.integer(p + "attention.sliding_window", 0);
+    std::vector<int64_t> pattern = m.integers(p + "attention.sliding_window_pattern", d.n_layer);
+    if (d.window > 0 && pattern.empty()) {
+        pattern.assign(d.n_layer, 1);  // a window without a pattern applies to every layer
+    }
+    if (!pattern.empty() && (int) pattern.size() != d.n_layer) {
+        fail("sliding_window_pattern has %d entries for %d layers", (int) pattern.size(), d.n_layer);
+    }
+    d.sliding.assign(d.n_layer, false);
+    for (int il = 0; il < (int) pattern.size() && d.window > 0; ++il) {
+        d.sliding[il] = pattern[il] != 0;
+    }
+    // causality: stated by the checkpoint for every layer, else sliding layers are causal
+    const std::string causal_key = p + "dflash.is_causal";
+    const int causal_id = m.find(causal_key);
+    for (int il = 0; il < d.n_layer; ++il) {
+        d.causal.push_back(causal_id >= 0 ? gguf_get_val_bool(m.ctx, causal_id) : (bool) d.sliding[il]);
+    }
+    d.embedding_scale = m.real(p + "dflash.input_embedding_scale", 1.0f);
+    d.output_multiplier = m.real(p + "dflash.output_multiplier", 1.0f);
+    d.logit_softcap = m.real(p + "dflash.final_logit_softcapping", m.real(p + "final_logit_softcapping", 0.0f));
+}
+
+ggml_tensor * expect_tensor(ggml_context * ctx, const std::string & name, std::initializer_list<int64_t> shape,
+                            std::map<std::string, bool> & claimed, bool required = true) {
+    ggml_tensor * t = ggml_get_tensor(ctx, name.c_str());
+    if (t == nullptr) {
+        if (required) {
+            fail("missing tensor '%s'", name.c_str());
+        }
+        return nullptr;
+    }
+    int i = 0;
+    for (int64_t n : shape) {
+        if (t->ne[i] != n) {
+            fail("tensor '%s' has shape [%lld, %lld], expected dimension %d to be %lld", name.c_str(),
+                 (long long) t->ne[0], (long long) t->ne[1], i, (long long) n);
+        }
+        ++i;
+    }
+    claimed[name] = true;
+    return t;
+}
+
+void bind_tensors(dflash_draft & d, const llama_model * target) {
+    ggml_context * ctx = d.ctx_w;
+    std::map<std::string, bool> claimed;
+    const int q_dim = d.head_dim * d.n_head, kv_dim = d.head_dim * d.n_head_kv;
+    d.fc = expect_tensor(ctx, d.format->fc, {d.n_target_features, d.n_embd}, claimed);
+    d.hidden_norm = expect_tensor(ctx, d.format->hidden_norm, {d.n_embd}, claimed);
+    d.output_norm = expect_tensor(ctx, "output_norm.weight", {d.n_embd}, claimed);
+    d.tok_embd = expect_tensor(ctx, "token_embd.weight", {d.n_embd, d.n_vocab}, claimed, false);
+    d.output = expect_tensor(ctx, "output.weight", {d.n_embd, d.n_vocab}, claimed, false);
+    for (int il = 0; il < d.n_layer; ++il) {
+        const std::string b = "blk." + std::to_string(il) + ".";
+        draft_layer l;
+        l.attn_norm = expect_tensor(ctx, b + "attn_norm.weight", {d.n_embd}, claimed);
+        l.ffn_norm = expect_tensor(ctx, b + d.format->ffn_norm + ".weight", {d.n_embd}, claimed);
+        l.wq = expect_tensor(ctx, b + "attn_q.weight", {d.n_embd, q_dim}, claimed);
+        l.wk = expect_tensor(ctx, b + "attn_k.weight", {d.n_embd, kv_dim}, claimed);
+        l.wv = expect_tensor(ctx, b + "attn_v.weight", {d.n_embd, kv_dim}, claimed);
+        l.wo = expect_tensor(ctx, b + "attn_output.weight", {q_dim, d.n_embd}, claimed);
+        l.q_norm = expect_tensor(ctx, b + "attn_q_norm.weight", {d.head_dim}, claimed);
+        l.k_norm = expect_tensor(ctx, b + "attn_k_norm.weight", {d.head_dim}, claimed);
+        l.ffn_gate = expect_tensor(ctx, b + "ffn_gate.weight", {d.n_embd, d.n_ff}, claimed);
+        l.ffn_up = expect_tensor(ctx, b + "ffn_up.weight", {d.n_embd, d.n_ff}, claimed);
+        l.ffn_down = expect_tensor(ctx, b + "ffn_down.weight", {d.n_ff, d.n_embd}, claimed);
+        d.layers.push_back(l);
+    }
+    for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
+        if (!claimed.count(ggml_get_name(t))) {
+            fail("unexpected tensor '%s' (biases and other extras are not supported)", ggml_get_name(t));
+        }
+    }
+    if (d.output != nullptr && d.tok_embd == nullptr) {
+        fail("the draft has output.weight but no token_embd.weight");
+    }
+    // borrow what the draft does not carry: the target's embedding table and head
+    if (d.tok_embd == nullptr) {
+        d.tok_embd = target->tok_embd;
+    }
+    if (d.output == nullptr) {
+        d.output = d.tok_embd == target->tok_embd ? target->output : d.tok_embd;
+    }
+    if (d.tok_embd->ne[0] != d.n_embd) {
+        fail("the target's embedding width %lld differs from the draft's %d; the draft cannot use the target's "
+             "token embeddings", (long long) d.tok_embd->ne[0], d.n_embd);
+    }
+}
+
+void check_against_target(dflash_draft & d, const gguf_meta & m, const llama_model * target) {
+    const int n_vocab = llama_n_vocab(target);
+    const int tokens_id = m.find("tokenizer.ggml.tokens");
+    if (tokens_id < 0) {
+        fail("the draft has no tokenizer (tokenizer.ggml.tokens); convert it with the target's tokenizer");
+    }
+    const int n_draft_vocab = gguf_get_arr_n(m.ctx, tokens_id);
+    if (n_draft_vocab != n_vocab) {
+        fail("vocabulary size %d differs from the target's %d: this draft was made for another target",
+             n_draft_vocab, n_vocab);
+    }
+    for (int i = 0; i < n_vocab; ++i) {
+        if (strcmp(gguf_get_arr_str(m.ctx, tokens_id, i), llama_token_get_text(target, i)) != 0) {
+            fail("token %d is '%s' in the draft but '%s' in the target: the vocabularies differ", i,
+                 gguf_get_arr_str(m.ctx, tokens_id, i), llama_token_get_text(target, i));
+        }
+    }
+    d.n_vocab = n_vocab;
+    if (d.mask_token < 0 || d.mask_token >= n_vocab) {
+        fail("mask token %d is outside the vocabulary (%d tokens)", d.mask_token, n_vocab);
+    }
+    const int n_target_layers = llama_n_layer(target);
+    for (int id : d.target_ids) {
+        if (id >= n_target_layers) {
+            fail("target layer id %d is outside the target's %d layers", id, n_target_layers);
+        }
+        if (id == n_target_layers - 1) {
+            fail("target layer id %d is the target's last layer, whose rows the fork prunes; not supported", id);
+        }
+    }
+    const int expected = llama_model_n_embd(target) * (int) d.target_ids.size();
+    const std::string nf_key = m.prefix + "dflash.n_target_features";
+    d.n_target_features = m.has(nf_key) ? (int) m.integer(nf_key, 0) : expected;
+    if (d.n_target_features != expected) {
+        fail("feature width %d differs from target hidden size %d x %d target layers = %d", d.n_target_features,
+             llama_model_n_embd(target), (int) d.target_ids.size(), expected);
+    }
+}
+
+void load_weights(dflash_draft & d, gguf_context * gctx) {
+    d.buf_w = ggml_backend_alloc_ctx_tensors(d.ctx_w, d.backend);
+    if (d.buf_w == nullptr) {
+        fail("could not allocate memory for the draft's weights");
+    }
+    std::ifstream file(d.path, std::ios::binary | std::ios::ate);
+    const size_t file_size = (size_t) file.tellg();
+    const size_t data_offset = gguf_get_data_offset(gctx);
+    std::vector<char> buf;
+    for (int i = 0; i < gguf_get_n_tensors(gctx); ++i) {
+        ggml_tensor * t = ggml_get_tensor(d.ctx_w, gguf_get_tensor_name(gctx, i));
+        const size_t offset = data_offset + gguf_get_tensor_offset(gctx, i);
+        const size_t size = ggml_nbytes(t);
+        if (offset + size > file_size) {
+            fail("file is truncated: tensor '%s' ends at byte %zu of %zu", ggml_get_name(t), offset + size, file_size);
+        }
+        buf.resize(size);
+        file.seekg((std::streamoff) offset);
+        file.read(buf.data(), (std::streamsize) size);
+        ggml_backend_tensor_set(t, buf.data(), 0, size);
+    }
+}
+
+std::unique_ptr<dflash_draft> load(const char * path, const llama_model * target, int n_threads) {
+    if (target == nullptr) {
+        fail("no target model given");
+    }
+    if (!std::ifstream(path).good()) {
+        fail("%s: file not found", path);
+    }
+    auto d = std::make_unique<dflash_draft>();
+    d->path = path;
+    gguf_init_params params = {/*no_alloc=*/true, &d->ctx_w};
+    gguf_context * gctx = gguf_init_from_file(path, params);
+    if (gctx == nullptr) {
+        fail("not a valid GGUF file (bad magic, corrupt or truncated header)");
+    }
+    std::unique_ptr<gguf_context, decltype(&gguf_free)> gguard(gctx, gguf_free);
+    const int arch_id = gguf_find_key(gctx, "general.architecture");
+    const std::string arch = arch_id >= 0 ? gguf_get_val_str(gctx, arch_id) : "";
+    for (const auto & f : k_formats) {
+        if (arch == f.arch) {
+            d->format = &f;
+        }
+    }
+    if (d->format == nullptr) {
+        fail("architecture '%s' is not a DFlash draft (expected 'dflash-draft' or 'dflash')", arch.c_str());
+    }
+    gguf_meta meta{gctx, arch + "."};
+    read_hparams(*d, meta);
+    check_against_target(*d, meta, target);
+    bind_tensors(*d, target);
+
+    d->backend = ggml_backend_cpu_init();
+    ggml_backend_cpu_set_n_threads(d->backend, std::max(1, n_threads));
+    load_weights(*d, gctx);
+    d->galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(d->backend));
+    d->graph_meta.resize(ggml_tensor_overhead() * k_max_graph_nodes + ggml_graph_overhead_custom(k_max_graph_nodes, false));
+    return d;
+}
+
+// --- graphs ----------------------------------------------------------------------------------
+
+ggml_tensor * rope(const dflash_draft & d, ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos) {
+    return ggml_rope_ext(ctx, x, pos, nullptr, d.head_dim, GGML_ROPE_TYPE_NEOX, d.n_ctx_train, d.rope_base, 1.0f,
+                         0.0f, 1.0f, 0.0f, 0.0f);
+}
+
+// Keys and values of rows x ([n_embd, n]) at positions pos, for layer il: K normed and rotated.
+void project_kv(const dflash_draft & d, ggml_context * ctx, int il, ggml_tensor * x, ggml_tensor * pos,
+                ggml_tensor ** k, ggml_tensor ** v) {
+    const draft_layer & l = d.layers[il];
+    const int64_t n = x->ne[1];
+    *k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wk, x), d.head_dim, d.n_head_kv, n);
+    *k = rope(d, ctx, rms_norm(ctx, *k, l.k_norm, d.rms_eps), pos);
+    *v = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wv, x), d.head_dim, d.n_head_kv, n);
+}
+
+// Copy columns [from, from+n) of src ([row, *]) into ring slots starting at slot (wrapping).
+void write_ring(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * src, ggml_tensor * ring, int capacity, int slot) {
+    const int64_t n = src->ne[1];
+    const size_t row = ring->nb[1];
+    int64_t done = 0;
+    while (done < n) {
+        const int64_t run = std::min<int64_t>(n - done, capacity - slot);
+        ggml_tensor * from = ggml_view_2d(ctx, src, src->ne[0], run, src->nb[1], done * src->nb[1]);
+        ggml_tensor * to = ggml_view_2d(ctx, ring, ring->ne[0], run, row, slot * row);
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, from, to));
+        done += run;
+        slot = 0;
+    }
+}
+
+void append_rows(dflash_draft & d, dflash_cache & c, const float * features, const int32_t * pos, int n) {
+    ggml_context * ctx = d.graph_context();
+    std::unique_ptr<ggml_context, decltype(&ggml_free)> guard(ctx, ggml_free);
+    ggml_cgraph * gf = ggml_new_graph_custom(ctx, k_max_graph_nodes, false);
+    ggml_tensor * inp_feat = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, d.n_target_features, n);
+    ggml_tensor * inp_pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+    ggml_set_input(inp_feat);
+    ggml_set_input(inp_pos);
+    // context row: c_p = hidden_norm(fc . f_p), shared by every layer
+    ggml_tensor * rows = rms_norm(ctx, ggml_mul_mat(ctx, d.fc, inp_feat), d.hidden_norm, d.rms_eps);
+
+    struct pending { int il, first, count, slot; };
+    std::vector<pending> updates;
+    for (int il = 0; il < d.n_layer; ++il) {
+        dflash_cache_layer & cl = c.layers[il];
+        const int keep = std::min(n, cl.capacity);  // older rows of this chunk would be overwritten
+        if (keep == 0) {
+            continue;
+        }
+        const int first = n - keep;
+        ggml_tensor * x = ggml_view_2d(ctx, rows, d.n_embd, keep, rows->nb[1], first * rows->nb[1]);
+        ggml_tensor * p = ggml_view_1d(ctx, inp_pos, keep, first * sizeof(int32_t));
+        ggml_tensor * k, * v;
+        project_kv(d, ctx, il, x, p, &k, &v);
+        const int slot = (cl.next + (n - keep)) % cl.capacity;
+        write_ring(ctx, gf, ggml_reshape_2d(ctx, ggml_cont(ctx, k), cl.k->ne[0], keep), cl.k, cl.capacity, slot);
+        write_ring(ctx, gf, ggml_reshape_2d(ctx, ggml_cont(ctx, v), cl.v->ne[0], keep), cl.v, cl.capacity, slot);
+        updates.push_back({il, first, keep, slot});
+    }
+    d.allocate(gf);
+    ggml_backend_tensor_set(inp_feat, features, 0, ggml_nbytes(inp_feat));
+    ggml_backend_tensor_set(inp_pos, pos, 0, ggml_nbytes(inp_pos));
+    if (ggml_backend_graph_compute(d.backend, gf) != GGML_STATUS_SUCCESS) {
+        fail("computing the context rows failed");
+    }
+    for (int il = 0; il < d.n_layer; ++il) {
+        dflash_cache_layer & cl = c.layers[il];
+        if (cl.capacity > 0) {
+            cl.next = (cl.next + n) % cl.capacity;
+            cl.n_used = std::min(cl.capacity, cl.n_used + n);
+        }
+    }
+    for (const pending & u : updates) {
+        dflash_cache_layer & cl = c.layers[u.il];
+        for (int i = 0; i < u.count; ++i) {
+            cl.slot_pos[(u.slot + i) % cl.capacity] = pos[u.first + i];
+        }
+    }
+    c.last_pos = pos[n - 1];
+}
+
+void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t start, float * logits_out,
+              llama_token * tokens_out) {
+    const int B = d.block_size;
+    ggml_context * ctx = d.graph_context();
+    std::unique_ptr<ggml_context, decltype(&ggml_free)> guard(ctx, ggml_free);
+    ggml_cgraph * gf = ggml_new_graph_custom(ctx, k_max_graph_nodes, false);
+
+    ggml_tensor * inp_tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
+    ggml_tensor * inp_pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
+    ggml_set_input(inp_tokens);
+    ggml_set_input(inp_pos);
+    std::vector<ggml_tensor *> masks(d.n_layer);
+    for (int il = 0; il < d.n_layer; ++il) {
+        masks[il] = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, c.layers[il].n_used + B, dflash_mask_rows(B));
+        ggml_set_input(masks[il]);
+    }
+
+    // the block [t, m, ..., m]: the target's embedding rows, times the checkpoint's scale
+    ggml_tensor * x = ggml_get_rows(ctx, d.tok_embd, inp_tokens);
+    if (d.embedding_scale != 1.0f) {
+        x = ggml_scale(ctx, x, d.embedding_scale);
+    }
+    const float kq_scale = 1.0f / std::sqrt((float) d.head_dim);
+    for (int il = 0; il < d.n_layer; ++il) {
+        const draft_layer & l = d.layers[il];
+        const dflash_cache_layer & cl = c.layers[il];
+        ggml_tensor * a = rms_norm(ctx, x, l.attn_norm, d.rms_eps);
+        ggml_tensor * q = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wq, a), d.head_dim, d.n_head, B);
+        q = rope(d, ctx, rms_norm(ctx, q, l.q_norm, d.rms_eps), inp_pos);
+        ggml_tensor * k, * v;
+        project_kv(d, ctx, il, a, inp_pos, &k, &v);
+        if (cl.n_used > 0) {
+            // keys: the retained context rows (ring order; the mask knows their positions), then the block
+            ggml_tensor * k_ctx = ggml_view_3d(ctx, cl.k, d.head_dim, d.n_head_kv, cl.n_used, cl.k->nb[1] / d.n_head_kv,
+                                               cl.k->nb[1], 0);
+            ggml_tensor * v_ctx = ggml_view_3d(ctx, cl.v, d.head_dim, d.n_head_kv, cl.n_used, cl.v->nb[1] / d.n_head_kv,
+                                               cl.v->nb[1], 0);
+            k = ggml_concat(ctx, k_ctx, k, 2);
+            v = ggml_concat(ctx, v_ctx, v, 2);
+        }
+        // attention per head: grouped-query broadcast of kv heads over query heads
+        ggml_tensor * kq = ggml_mul_mat(ctx, ggml_permute(ctx, k, 0, 2, 1, 3), ggml_permute(ctx, q, 0, 2, 1, 3));
+        kq = ggml_soft_max_ext(ctx, kq, masks[il], kq_scale, 0.0f);
+        ggml_tensor * v_t = ggml_cont(ctx, ggml_permute(ctx, v, 1, 2, 0, 3));  // [n_kv, head_dim, n_head_kv]
+        ggml_tensor * kqv = ggml_mul_mat(ctx, v_t, kq);                        // [head_dim, B, n_head]
+        ggml_tensor * attn = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), d.head_dim * d.n_head, B);
+        x = ggml_add(ctx, x, ggml_mul_mat(ctx, l.wo, attn));
+
+        ggml_tensor * n = rms_norm(ctx, x, l.ffn_norm, d.rms_eps);
+        ggml_tensor * ff = ggml_mul(ctx, ggml_silu(ctx, ggml_mul_mat(ctx, l.ffn_gate, n)), ggml_mul_mat(ctx, l.ffn_up, n));
+        x = ggml_add(ctx, x, ggml_mul_mat(ctx, l.ffn_down, ff));
+    }
+    x = rms_norm(ctx, x, d.output_norm, d.rms_eps);
+    ggml_tensor * logits = ggml_mul_mat(ctx, d.output, x);
+    if (d.output_multiplier != 1.0f) {
+        logits = ggml_scale(ctx, logits, d.output_multiplier);
+    }
+    if (d.logit_softcap > 0.0f) {
+        logits = ggml_scale(ctx, ggml_tanh(ctx, ggml_scale(ctx, logits, 1.0f / d.logit_softcap)), d.logit_softcap);
+    }
+    ggml_set_output(logits);
+    ggml_build_forward_expand(gf, logits);
+    d.allocate(gf);
+
+    std::vector<llama_token> block(B, d.mask_token);
+    block[0] = first;
+    std::vector<int32_t> positions(B);
+    for (int j = 0; j < B; ++j) {
+        positions[j] = start + j;
+    }
+    ggml_backend_tensor_set(inp_tokens, block.data(), 0, ggml_nbytes(inp_tokens));
+    ggml_backend_tensor_set(inp_pos, positions.data(), 0, ggml_nbytes(inp_pos));
+    std::vector<ggml_fp16_t> mask;
+    for (int il = 0; il < d.n_layer; ++il) {
+        const dflash_cache_layer & cl = c.layers[il];
+        mask.resize(ggml_nelements(masks[il]));
+        dflash_fill_mask(mask.data(), d.rule(il, c.full_attention), cl.slot_pos.data(), cl.n_used, start, B, 1);
+        ggml_backend_tensor_set(masks[il], mask.data(), 0, ggml_nbytes(masks[il]));
+    }
+    if (ggml_backend_graph_compute(d.backend, gf) != GGML_STATUS_SUCCESS) {
+        fail("computing the draft step failed");
+    }
+    std::vector<float> host(logits_out ? 0 : (size_t) d.n_vocab * B);
+    float * out = logits_out ? logits_out : host.data();
+    ggml_backend_tensor_get(logits, out, 0, ggml_nbytes(logits));
+    for (int j = 1; j < B; ++j) {
+        const float * row = out + (size_t) j * d.n_vocab;
+        tokens_out[j - 1] = (llama_token) (std::max_element(row, row + d.n_vocab) - row);
+    }
+}
+
+template <typename F>
+auto guarded(F && body, decltype(body()) on_error) -> decltype(body()) {
+    try {
+        g_last_error.clear();
+        return body();
+    } catch (const std::exception & e) {
+        g_last_error = e.what();
+        return on_error;
+    }
+}
+
+}  // namespace
+
+// --- C API -----------------------------------------------------------------------------------
+
+const char * dflash_last_error(void) { return g_last_error.c_str(); }
+
+dflash_draft * dflash_draft_load(const char * path, const llama_model * target, int n_threads) {
+    return guarded([&]() -> dflash_draft * {
+        try {
+            return load(path, target, n_threads).release();
+        } catch (const dflash_error & e) {
+            // name the file once, whatever went wrong
+            const std::string what = e.what();
+            throw dflash_error(what.rfind(path, 0) == 0 ? what : std::string(path) + ": " + what);
+        }
+    }, nullptr);
+}
+
+void dflash_draft_free(dflash_draft * draft) { delete draft; }
+
+int  dflash_draft_block_size(const dflash_draft * d) { return d->block_size; }
+int  dflash_draft_mask_token(const dflash_draft * d) { return d->mask_token; }
+int  dflash_draft_n_layer(const dflash_draft * d) { return d->n_layer; }
+int  dflash_draft_sliding_window(const dflash_draft * d) { return d->window; }
+bool dflash_draft_layer_is_sliding(const dflash_draft * d, int il) { return d->sliding.at(il); }
+bool dflash_draft_layer_is_causal(const dflash_draft * d, int il) { return d->causal.at(il); }
+int  dflash_draft_n_target_layers(const dflash_draft * d) { return (int) d->target_ids.size(); }
+int  dflash_draft_target_layer_id(const dflash_draft * d, int i) { return d->target_ids.at(i); }
+int  dflash_draft_n_target_features(const dflash_draft * d) { return d->n_target_features; }
+const char * dflash_draft_format(const dflash_draft * d) { return d->format->arch; }
+
+dflash_cache * dflash_cache_init(const dflash_draft * d, int cross_ctx, bool full_attention) {
+    return guarded([&]() -> dflash_cache * {
+        if (cross_ctx < 1) {
+            fail("cross_ctx must be at least 1, got %d", cross_ctx);
+        }
+        auto c = std::make_unique<dflash_cache>();
+        c->cross_ctx = cross_ctx;
+        c->full_attention = full_attention;
+        ggml_init_params params = {ggml_tensor_overhead() * 2 * d->n_layer, nullptr, /*no_alloc=*/true};
+        c->ctx = ggml_init(params);
+        const int kv_dim = d->head_dim * d->n_head_kv;
+        for (int il = 0; il < d->n_layer; ++il) {
+            dflash_cache_layer cl;
+            // block row 0 is the oldest query: it sees window - 1 context rows at most
+            const bool sliding = d->rule(il, full_attention).sliding;
+            cl.capacity = sliding ? std::min(cross_ctx, std::max(0, d->window - 1)) : cross_ctx;
+            cl.k = ggml_new_tensor_2d(c->ctx, GGML_TYPE_F32, kv_dim, std::max(1, cl.capacity));
+            cl.v = ggml_new_tensor_2d(c->ctx, GGML_TYPE_F32, kv_dim, std::max(1, cl.capacity));
+            cl.slot_pos.assign(cl.capacity, -1);
+            c->layers.push_back(std::move(cl));
+        }
+        c->buf = ggml_backend_alloc_ctx_tensors(c->ctx, d->backend);
+        if (c->buf == nullptr) {
+            fail("could not allocate the cross-context (%d rows)", cross_ctx);
+        }
+        return c.release();
+    }, nullptr);
+}
+
+void dflash_cache_free(dflash_cache * c) { delete c; }
+
+void dflash_cache_clear(dflash_cache * c) {
+    for (auto & cl : c->layers) {
+        cl.n_used = cl.next = 0;
+        std::fill(cl.slot_pos.begin(), cl.slot_pos.end(), -1);
+    }
+    c->last_pos = -1;
+}
+
+int dflash_cache_capacity(const dflash_cache * c, int il) { return c->layers.at(il).capacity; }
+int dflash_cache_n_rows(const dflash_cache * c, int il) { return c->layers.at(il).n_used; }
+size_t dflash_cache_size_bytes(const dflash_cache * c) { return ggml_backend_buffer_get_size(c->buf); }
+
+int dflash_cache_append(dflash_draft * d, dflash_cache * c, const float * features, const int32_t * pos, int n_rows) {
+    return guarded([&]() -> int {
+        for (int i = 0; i < n_rows; ++i) {
+            if (pos[i] <= (i == 0 ? c->last_pos : pos[i - 1])) {
+                fail("context positions must increase: row %d is at %d after %d", i, pos[i],
+                     i == 0 ? c->last_pos : pos[i - 1]);
+            }
+        }
+        // rows older than the largest capacity would be overwritten anyway
+        int max_capacity = 0;
+        for (const auto & cl : c->layers) {
+            max_capacity = std::max(max_capacity, cl.capacity);
+        }
+        const int first = std::max(0, n_rows - max_capacity);
+        for (int i = first; i < n_rows; i += k_append_chunk) {
+            const int n = std::min(k_append_chunk, n_rows - i);
+            append_rows(*d, *c, features + (size_t) i * d->n_target_features, pos + i, n);
+        }
+        c->last_pos = pos[n_rows - 1];
+        return 0;
+    }, -1);
+}
+
+int dflash_draft_step(dflash_draft * d, dflash_cache * c, llama_token first_token, int32_t start_pos, float * logits,
+                      llama_token * tokens) {
+    return guarded([&]() -> int {
+        if (first_token < 0 || first_token >= d->n_vocab) {
+            fail("token %d is outside the vocabulary", first_token);
+        }
+        if (start_pos <= c->last_pos) {
+            fail("the block starts at %d but the context already reaches %d", start_pos, c->last_pos);
+        }
+        run_step(*d, *c, first_token, start_pos, logits, tokens);
+        return 0;
+    }, -1);
+}

@@ -1,0 +1,66 @@
+// DFlash draft runtime, compiled into the fork's libllama.
+//
+// A DFlash draft reads the outputs of a few target layers ("features"), fuses each position's
+// features into one context row, and proposes a block of tokens in a single forward pass. The
+// semantics follow the DFlash reference (docs: dflash.md): exact positions, the whole block of
+// block_size rows every step, and one attention mask per layer type (sliding / full).
+//
+// Usage:
+//   dflash_draft * draft = dflash_draft_load("draft.gguf", target_model);   // checks the pair
+//   dflash_cache * cache = dflash_cache_init(draft, cross_ctx, full_attention);
+//   dflash_cache_append(draft, cache, features, positions, n_rows);          // once per committed row
+//   dflash_draft_step(draft, cache, block_tokens, start_pos, logits, tokens); // one proposal
+// Failures return NULL or a negative value; dflash_last_error() says why.
+
+#pragma once
+
+#include "llama.h"
+
+#include <cstddef>
+#include <cstdint>
+
+struct dflash_draft;  // weights and hyper-parameters, bound to one target model
+struct dflash_cache;  // the cross-context: per draft layer, projected K/V of context rows
+
+// The reason for the last failure on this thread ("" if none).
+LLAMA_API const char * dflash_last_error(void);
+
+// Load a draft GGUF (ik_llama.cpp's "dflash-draft" or upstream llama.cpp's "dflash") and check
+// it against the target: vocabulary, mask token, target layer ids, feature width, embedding width.
+LLAMA_API dflash_draft * dflash_draft_load(const char * path, const llama_model * target, int n_threads);
+LLAMA_API void dflash_draft_free(dflash_draft * draft);
+
+// Hyper-parameters.
+LLAMA_API int  dflash_draft_block_size(const dflash_draft * draft);
+LLAMA_API int  dflash_draft_mask_token(const dflash_draft * draft);
+LLAMA_API int  dflash_draft_n_layer(const dflash_draft * draft);
+LLAMA_API int  dflash_draft_sliding_window(const dflash_draft * draft);            // 0 = none
+LLAMA_API bool dflash_draft_layer_is_sliding(const dflash_draft * draft, int il);
+LLAMA_API bool dflash_draft_layer_is_causal(const dflash_draft * draft, int il);
+LLAMA_API int  dflash_draft_n_target_layers(const dflash_draft * draft);
+LLAMA_API int  dflash_draft_target_layer_id(const dflash_draft * draft, int i);
+LLAMA_API int  dflash_draft_n_target_features(const dflash_draft * draft);
+LLAMA_API const char * dflash_draft_format(const dflash_draft * draft);            // "dflash-draft" | "dflash"
+
+// Cross-context for one sequence. Full-attention layers keep the newest cross_ctx rows; sliding
+// layers never keep more than their window needs (window - 1 rows), so their memory and attention
+// cost do not grow with cross_ctx. full_attention = true runs every layer as a full-attention
+// layer (windows ignored), for side-by-side validation.
+LLAMA_API dflash_cache * dflash_cache_init(const dflash_draft * draft, int cross_ctx, bool full_attention);
+LLAMA_API void   dflash_cache_free(dflash_cache * cache);
+LLAMA_API void   dflash_cache_clear(dflash_cache * cache);
+LLAMA_API int    dflash_cache_capacity(const dflash_cache * cache, int il);  // rows kept by layer il
+LLAMA_API int    dflash_cache_n_rows(const dflash_cache * cache, int il);    // rows held now
+LLAMA_API size_t dflash_cache_size_bytes(const dflash_cache * cache);
+
+// Append context rows: features is n_rows x n_target_features floats, row-major, each row the
+// concatenation of the target layers in the draft's order; pos are the rows' target positions,
+// increasing. Returns 0 on success.
+LLAMA_API int dflash_cache_append(dflash_draft * draft, dflash_cache * cache,
+                                  const float * features, const int32_t * pos, int n_rows);
+
+// One draft step on the block [block[0], mask, ..., mask] (block_size tokens, block[0] at
+// start_pos). logits (block_size x n_vocab floats) may be NULL; tokens receives the argmax of
+// block rows 1..block_size-1 (block_size - 1 ids). Returns 0 on success.
+LLAMA_API int dflash_draft_step(dflash_draft * draft, dflash_cache * cache, llama_token first_token,
+                                int32_t start_pos, float * logits, llama_token * tokens);

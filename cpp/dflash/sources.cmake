@@ -1,0 +1,8 @@
+# The DFlash runtime, compiled into the fork's libllama. The fork's src/CMakeLists.txt includes
+# this file when IKDFLASH_SOURCE_DIR names an ikdflash checkout (patch "build: hook ikdflash's
+# runtime into libllama"); the package build sets it, C++ developers pass it to CMake.
+target_sources(llama PRIVATE
+    ${CMAKE_CURRENT_LIST_DIR}/dflash-draft.cpp
+    ${CMAKE_CURRENT_LIST_DIR}/dflash-mask.cpp)
+# dflash.h is public API of libllama, like llama.h
+target_include_directories(llama PUBLIC ${CMAKE_CURRENT_LIST_DIR})
