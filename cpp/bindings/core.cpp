@@ -4,7 +4,7 @@
 #include "model.h"
 
 namespace ikdflash {
-void bind_draft(py::module_ & m);
+void bind_dflash(py::module_ & m);
 }
 
 namespace {
@@ -56,5 +56,5 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("n_layer", &Model::n_layer)
         .def_property_readonly("n_ctx", &Model::n_ctx);
 
-    bind_draft(m);
+    bind_dflash(m);
 }

@@ -233,6 +233,7 @@ private:
         }
     }
 
+public:
     void check_tokens(const std::vector<llama_token> & tokens) const {
         const int n_vocab = llama_n_vocab(model_);
         for (size_t i = 0; i < tokens.size(); ++i) {
@@ -243,6 +244,7 @@ private:
         }
     }
 
+private:
     static std::string describe_failure() {
         std::string reason = take_log_errors();
         return reason.empty() ? "no reason given by the loader (try verbose=True)" : reason;
@@ -250,6 +252,7 @@ private:
 
 public:
     llama_model * raw_model() const { ensure_open(); return model_; }
+    llama_context * raw_context() const { ensure_open(); return ctx_; }
 
 private:
     std::string path_;

@@ -2,6 +2,7 @@
 // The math is docs/dflash.md; names of keys and tensors are docs/gguf-dflash.md.
 
 #include "dflash.h"
+#include "dflash-impl.h"
 #include "dflash-mask.h"
 
 #include "ggml.h"
@@ -20,21 +21,11 @@
 #include <string>
 #include <vector>
 
+using dflash_impl::dflash_error;
+using dflash_impl::fail;
+using dflash_impl::guarded;
+
 namespace {
-
-thread_local std::string g_last_error;
-
-// Thrown inside this file only; the C entry points turn it into dflash_last_error().
-struct dflash_error : std::runtime_error {
-    using std::runtime_error::runtime_error;
-};
-
-template <typename... Args>
-[[noreturn]] void fail(const char * fmt, Args... args) {
-    char buf[1024];
-    snprintf(buf, sizeof(buf), fmt, args...);
-    throw dflash_error(buf);
-}
 
 constexpr int k_max_graph_nodes = 8192;
 constexpr int k_append_chunk = 256;  // context rows projected per graph
@@ -632,22 +623,11 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
     }
 }
 
-template <typename F>
-auto guarded(F && body, decltype(body()) on_error) -> decltype(body()) {
-    try {
-        g_last_error.clear();
-        return body();
-    } catch (const std::exception & e) {
-        g_last_error = e.what();
-        return on_error;
-    }
-}
-
 }  // namespace
 
 // --- C API -----------------------------------------------------------------------------------
 
-const char * dflash_last_error(void) { return g_last_error.c_str(); }
+const char * dflash_last_error(void) { return dflash_impl::last_error.c_str(); }
 
 dflash_draft * dflash_draft_load(const char * path, const llama_model * target, int n_threads) {
     return guarded([&]() -> dflash_draft * {
@@ -658,7 +638,7 @@ dflash_draft * dflash_draft_load(const char * path, const llama_model * target, 
             const std::string what = e.what();
             throw dflash_error(what.rfind(path, 0) == 0 ? what : std::string(path) + ": " + what);
         }
-    }, nullptr);
+    }, (dflash_draft *) nullptr);
 }
 
 void dflash_draft_free(dflash_draft * draft) { delete draft; }
@@ -700,7 +680,7 @@ dflash_cache * dflash_cache_init(const dflash_draft * d, int cross_ctx, bool ful
             fail("could not allocate the cross-context (%d rows)", cross_ctx);
         }
         return c.release();
-    }, nullptr);
+    }, (dflash_cache *) nullptr);
 }
 
 void dflash_cache_free(dflash_cache * c) { delete c; }

@@ -64,3 +64,42 @@ LLAMA_API int dflash_cache_append(dflash_draft * draft, dflash_cache * cache,
 // block rows 1..block_size-1 (block_size - 1 ids). Returns 0 on success.
 LLAMA_API int dflash_draft_step(dflash_draft * draft, dflash_cache * cache, llama_token first_token,
                                 int32_t start_pos, float * logits, llama_token * tokens);
+
+// --- the speculative engine ---------------------------------------------------------------------
+// One sequence (seq 0) of a target context, drafted by a DFlash draft: draft a block, verify it in
+// one target batch, keep the longest matching prefix plus the target's own next token, roll the
+// target back (KV cache; for hybrid targets also the recurrent state, by snapshot + replay), and
+// feed the committed rows' features to the draft. With n_max = 0 it is plain target decoding, so
+// speculative and plain generation run through the same loop.
+
+struct dflash_engine;
+
+struct dflash_engine_params {
+    int32_t cross_ctx;       // context rows kept by full-attention draft layers
+    bool    full_attention;  // run every draft layer as full attention (windows ignored)
+};
+
+struct dflash_stats {
+    int64_t n_prompt;        // prompt tokens processed
+    int64_t n_generated;     // tokens returned
+    int64_t n_drafted;       // draft tokens offered for verification
+    int64_t n_accepted;      // draft tokens accepted
+    int64_t n_steps;         // target verification passes
+    double  t_prompt_ms;
+    double  t_draft_ms;
+    double  t_verify_ms;     // target passes, sampling and rollback
+};
+
+// The engine takes over the target context's eval callback (to capture layer outputs).
+// draft may be NULL: the engine then only generates with the target.
+LLAMA_API dflash_engine * dflash_engine_init(llama_context * target, dflash_draft * draft, dflash_engine_params params);
+LLAMA_API void dflash_engine_free(dflash_engine * engine);
+
+// Generate up to max_tokens after the prompt into out (room for max_tokens). temperature 0 is
+// greedy; otherwise the target samples every position (seeded) and a draft token is kept while
+// it equals the target's sample, so the output follows the target's distribution. Stops at an
+// end-of-generation token (not returned) or when the context is full. Returns the number of
+// tokens written, or -1 (see dflash_last_error()).
+LLAMA_API int dflash_engine_generate(dflash_engine * engine, const llama_token * prompt, int n_prompt, int max_tokens,
+                                     int n_max, float temperature, uint32_t seed, llama_token * out,
+                                     dflash_stats * stats);

@@ -1,5 +1,6 @@
-// _core.Draft: the DFlash draft on its own, for tests and research: given context features, a
-// first token and a start position, the logits of one draft step.
+// _core.Draft and _core.Engine: the DFlash draft on its own (for tests and research: given
+// context features, a first token and a start position, the logits of one draft step), and the
+// speculative engine that drives a target with it.
 
 #include "model.h"
 
@@ -36,7 +37,7 @@ public:
         draft_ = nullptr;
     }
 
-    // One draft step over a fresh cross-context holding the given rows.
+    // One draft step over a fresh cross-context holding the given rows (cross_ctx 0: all of them).
     py::tuple forward(py::array_t<float, py::array::c_style | py::array::forcecast> features,
                       py::array_t<int32_t, py::array::c_style | py::array::forcecast> positions, int first_token,
                       int start, int cross_ctx, bool full_attention) {
@@ -55,7 +56,8 @@ public:
         int rc = 0;
         {
             py::gil_scoped_release release;
-            dflash_cache * cache = dflash_cache_init(draft_, cross_ctx, full_attention);
+            dflash_cache * cache = dflash_cache_init(draft_, cross_ctx > 0 ? cross_ctx : std::max(1, n_rows),
+                                                     full_attention);
             rc = cache == nullptr ? -1 : 0;
             if (rc == 0 && n_rows > 0) {
                 rc = dflash_cache_append(draft_, cache, features.data(), positions.data(), n_rows);
@@ -112,6 +114,11 @@ public:
         return out;
     }
 
+    dflash_draft * raw() const {
+        open();
+        return draft_;
+    }
+
 private:
     void open() const {
         if (draft_ == nullptr) {
@@ -122,6 +129,53 @@ private:
     std::string path_;
     dflash_draft * draft_ = nullptr;
     int n_vocab_ = 0;
+};
+
+class Engine {
+public:
+    Engine(Model & target, Draft * draft, int cross_ctx, bool full_attention) : target_(target) {
+        dflash_engine_params params{cross_ctx, full_attention};
+        engine_ = dflash_engine_init(target.raw_context(), draft ? draft->raw() : nullptr, params);
+        if (engine_ == nullptr) {
+            throw py::value_error(dflash_last_error());
+        }
+    }
+
+    ~Engine() { dflash_engine_free(engine_); }
+
+    py::tuple generate(const std::vector<llama_token> & prompt, int max_tokens, int n_max, float temperature,
+                       uint32_t seed) {
+        target_.check_tokens(prompt);
+        if (max_tokens < 0) {
+            throw py::value_error("max_tokens must be >= 0, got " + std::to_string(max_tokens));
+        }
+        std::vector<llama_token> out(max_tokens);
+        dflash_stats stats{};
+        int n = 0;
+        {
+            py::gil_scoped_release release;
+            n = dflash_engine_generate(engine_, prompt.data(), (int) prompt.size(), max_tokens, n_max, temperature,
+                                       seed, out.data(), &stats);
+        }
+        if (n < 0) {
+            throw py::value_error(dflash_last_error());
+        }
+        out.resize(n);
+        py::dict st;
+        st["n_prompt"] = stats.n_prompt;
+        st["n_generated"] = stats.n_generated;
+        st["n_drafted"] = stats.n_drafted;
+        st["n_accepted"] = stats.n_accepted;
+        st["n_steps"] = stats.n_steps;
+        st["t_prompt_ms"] = stats.t_prompt_ms;
+        st["t_draft_ms"] = stats.t_draft_ms;
+        st["t_verify_ms"] = stats.t_verify_ms;
+        return py::make_tuple(out, st);
+    }
+
+private:
+    Model & target_;
+    dflash_engine * engine_ = nullptr;
 };
 
 // The mask rule as a float matrix (0 visible, -inf hidden), rows = padded queries.
@@ -142,14 +196,19 @@ py::array_t<float> attention_mask(std::vector<int32_t> key_positions, int start,
 
 }  // namespace
 
-void bind_draft(py::module_ & m) {
+void bind_dflash(py::module_ & m) {
     py::class_<Draft>(m, "Draft")
         .def(py::init<Model &, const std::string &, int>(), py::arg("target"), py::arg("path"), py::arg("n_threads") = 0, py::keep_alive<1, 2>())
         .def("close", &Draft::close)
         .def("info", &Draft::info)
         .def("cache_layout", &Draft::cache_layout, py::arg("cross_ctx"), py::arg("full_attention") = false)
         .def("forward", &Draft::forward, py::arg("features"), py::arg("positions"), py::arg("first_token"),
-             py::arg("start"), py::arg("cross_ctx") = 1 << 20, py::arg("full_attention") = false);
+             py::arg("start"), py::arg("cross_ctx") = 0, py::arg("full_attention") = false);
+    py::class_<Engine>(m, "Engine")
+        .def(py::init<Model &, Draft *, int, bool>(), py::arg("target"), py::arg("draft"), py::arg("cross_ctx"),
+             py::arg("full_attention") = false, py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+        .def("generate", &Engine::generate, py::arg("prompt"), py::arg("max_tokens"), py::arg("n_max"),
+             py::arg("temperature") = 0.0f, py::arg("seed") = 0);
     m.def("attention_mask", &attention_mask, py::arg("key_positions"), py::arg("start"), py::arg("n_query"),
           py::arg("sliding"), py::arg("causal"), py::arg("window"), py::arg("kv_pad") = 1);
 }

@@ -1,0 +1,361 @@
+// The DFlash speculative loop over one target sequence (docs: dflash.md, "Verification and
+// commit"). Target layer outputs are captured through the context's eval callback for every row
+// the target processes; committed rows go to the draft's cross-context.
+
+#include "dflash.h"
+#include "dflash-impl.h"
+
+#include <random>  // before llama-context.h, whose sampling header needs it
+
+#include "ggml-backend.h"
+#include "llama-context.h"  // the eval callback and the recurrent state tensors
+#include "llama-model.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+using dflash_impl::fail;
+using dflash_impl::guarded;
+
+namespace {
+
+double now_ms() {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Copies the outputs of the draft's target layers ("l_out-<il>") out of every target pass.
+struct feature_capture {
+    std::vector<int> layer_ids;           // in the draft's order
+    int n_embd = 0;
+    bool active = false;
+    std::vector<std::vector<float>> rows;  // per captured layer: n_embd floats per processed row
+
+    int slot_of(const ggml_tensor * t) const {
+        const char * name = ggml_get_name(t);
+        if (strncmp(name, "l_out-", 6) != 0) {
+            return -1;
+        }
+        const int il = atoi(name + 6);
+        for (size_t i = 0; i < layer_ids.size(); ++i) {
+            if (layer_ids[i] == il) {
+                return (int) i;
+            }
+        }
+        return -1;
+    }
+
+    // The scheduler asks first (ask = true) whether we want a tensor, then hands it over once
+    // computed; ubatches arrive in order, so appending keeps rows in batch order.
+    static bool callback(ggml_tensor * t, bool ask, void * user_data) {
+        auto * self = (feature_capture *) user_data;
+        const int slot = self->active ? self->slot_of(t) : -1;
+        if (ask) {
+            return slot >= 0;
+        }
+        if (slot >= 0) {
+            if (t->type != GGML_TYPE_F32 || t->ne[0] != self->n_embd) {
+                return false;  // cancels the pass; reported as a decode failure
+            }
+            std::vector<float> & out = self->rows[slot];
+            const size_t before = out.size();
+            out.resize(before + (size_t) ggml_nelements(t));
+            ggml_backend_tensor_get(t, out.data() + before, 0, ggml_nbytes(t));
+        }
+        return true;
+    }
+
+    void start() {
+        active = true;
+        for (auto & r : rows) {
+            r.clear();
+        }
+    }
+
+    // Row i of the last pass as one feature row (layers concatenated in the draft's order).
+    void feature_rows(int first, int count, std::vector<float> & out) const {
+        out.resize((size_t) count * n_embd * layer_ids.size());
+        for (int i = 0; i < count; ++i) {
+            for (size_t k = 0; k < layer_ids.size(); ++k) {
+                const float * src = rows[k].data() + (size_t) (first + i) * n_embd;
+                std::copy(src, src + n_embd, out.data() + ((size_t) i * layer_ids.size() + k) * n_embd);
+            }
+        }
+    }
+
+    int n_rows() const { return rows.empty() ? 0 : (int) (rows[0].size() / n_embd); }
+};
+
+// The recurrent rows of seq 0, saved before a verification pass (hybrid targets only).
+struct recurrent_snapshot {
+    std::vector<std::vector<uint8_t>> rows;
+
+    void save(llama_context * ctx) {
+        const auto & s_l = ctx->kv_self.s_l;
+        rows.resize(s_l.size());
+        for (size_t il = 0; il < s_l.size(); ++il) {
+            if (s_l[il] != nullptr) {
+                rows[il].resize(s_l[il]->nb[1]);
+                ggml_backend_tensor_get(s_l[il], rows[il].data(), 0, rows[il].size());
+            }
+        }
+    }
+
+    void restore(llama_context * ctx) const {
+        const auto & s_l = ctx->kv_self.s_l;
+        for (size_t il = 0; il < s_l.size(); ++il) {
+            if (s_l[il] != nullptr) {
+                ggml_backend_tensor_set(s_l[il], rows[il].data(), 0, rows[il].size());
+            }
+        }
+    }
+};
+
+struct sampler {
+    float temperature;
+    std::mt19937 rng;
+    std::vector<double> weights;
+
+    llama_token sample(const float * logits, int n_vocab) {
+        if (temperature <= 0.0f) {
+            return (llama_token) (std::max_element(logits, logits + n_vocab) - logits);
+        }
+        const float top = *std::max_element(logits, logits + n_vocab);
+        weights.resize(n_vocab);
+        for (int i = 0; i < n_vocab; ++i) {
+            weights[i] = std::exp((double) (logits[i] - top) / temperature);
+        }
+        std::discrete_distribution<int> pick(weights.begin(), weights.end());
+        return pick(rng);
+    }
+};
+
+}  // namespace
+
+struct dflash_engine {
+    llama_context * ctx = nullptr;
+    const llama_model * model = nullptr;
+    dflash_draft * draft = nullptr;
+    dflash_cache * cache = nullptr;
+    dflash_engine_params params{};
+    feature_capture capture;
+    ggml_backend_sched_eval_callback previous_cb = nullptr;
+    void * previous_cb_data = nullptr;
+    bool hybrid = false;
+    llama_batch batch{};
+    int batch_capacity = 0;
+
+    ~dflash_engine() {
+        if (ctx != nullptr) {
+            ctx->cparams.cb_eval = previous_cb;
+            ctx->cparams.cb_eval_user_data = previous_cb_data;
+        }
+        dflash_cache_free(cache);
+        if (batch_capacity > 0) {
+            llama_batch_free(batch);
+        }
+    }
+
+    // One target pass over n <= n_batch tokens at positions pos0.. on seq 0; logits for every row
+    // when all_logits, else for the last; the rows' layer outputs are captured when capture_rows.
+    void decode(const llama_token * tokens, int n, int pos0, bool all_logits, bool capture_rows) {
+        if (n > batch_capacity) {
+            if (batch_capacity > 0) {
+                llama_batch_free(batch);
+            }
+            batch = llama_batch_init(n, 0, 1);
+            batch_capacity = n;
+        }
+        batch.n_tokens = n;
+        for (int j = 0; j < n; ++j) {
+            batch.token[j] = tokens[j];
+            batch.pos[j] = pos0 + j;
+            batch.n_seq_id[j] = 1;
+            batch.seq_id[j][0] = 0;
+            batch.logits[j] = all_logits || j == n - 1;
+        }
+        capture_rows = capture_rows && draft != nullptr;
+        if (capture_rows) {
+            capture.start();
+        }
+        const int rc = llama_decode(ctx, batch);
+        capture.active = false;
+        if (rc != 0) {
+            fail("the target's decode failed with code %d at position %d", rc, pos0);
+        }
+        if (capture_rows && capture.n_rows() != n) {
+            fail("captured %d feature rows for %d tokens", capture.n_rows(), n);
+        }
+    }
+
+    // Give the draft the captured rows [first, first+count) at positions pos0...
+    void commit_features(int first, int count, int pos0) {
+        if (draft == nullptr || count == 0) {
+            return;
+        }
+        std::vector<float> rows;
+        capture.feature_rows(first, count, rows);
+        std::vector<int32_t> pos(count);
+        for (int i = 0; i < count; ++i) {
+            pos[i] = pos0 + i;
+        }
+        if (dflash_cache_append(draft, cache, rows.data(), pos.data(), count) != 0) {
+            fail("%s", dflash_last_error());
+        }
+    }
+
+    int generate(const llama_token * prompt, int n_prompt, int max_tokens, int n_max, float temperature,
+                 uint32_t seed, llama_token * out, dflash_stats & st) {
+        const int n_ctx = (int) llama_n_ctx(ctx);
+        const int n_vocab = llama_n_vocab(model);
+        if (n_prompt < 1) {
+            fail("the prompt is empty");
+        }
+        if (n_prompt >= n_ctx) {
+            fail("the prompt has %d tokens but the context holds %d", n_prompt, n_ctx);
+        }
+        if (n_max < 0) {
+            fail("n_max must be >= 0, got %d", n_max);
+        }
+        if (n_max > 0 && draft == nullptr) {
+            fail("n_max %d needs a draft model", n_max);
+        }
+        if (draft != nullptr && dflash_draft_block_size(draft) > (int) llama_n_batch(ctx)) {
+            fail("the target's n_batch %d is smaller than the draft's block", (int) llama_n_batch(ctx));
+        }
+        st = {};
+        sampler smp{temperature, std::mt19937(seed), {}};
+        llama_kv_cache_clear(ctx);
+        if (cache != nullptr) {
+            dflash_cache_clear(cache);
+        }
+
+        // prompt, a batch at a time: every row's features go to the draft (which keeps what its
+        // layers can still see), so a long prompt never holds all its features at once
+        double t0 = now_ms();
+        const int n_batch = (int) llama_n_batch(ctx);
+        for (int i = 0; i < n_prompt; i += n_batch) {
+            const int m = std::min(n_batch, n_prompt - i);
+            decode(prompt + i, m, i, false, true);
+            commit_features(0, m, i);
+        }
+        llama_token t = smp.sample(llama_get_logits_ith(ctx, -1), n_vocab);
+        st.n_prompt = n_prompt;
+        st.t_prompt_ms = now_ms() - t0;
+
+        int n_out = 0;
+        int s = n_prompt;  // position of t
+        const int block = draft ? dflash_draft_block_size(draft) : 1;
+        std::vector<llama_token> proposal(std::max(1, block - 1));
+        std::vector<llama_token> verify;
+        recurrent_snapshot snapshot;
+        while (true) {
+            if (max_tokens <= n_out || llama_token_is_eog(model, t)) {
+                break;
+            }
+            out[n_out++] = t;
+            if (s >= n_ctx - 1 || n_out == max_tokens) {
+                break;  // t is the last token that fits, or the last one asked for
+            }
+            // draft n tokens after t, bounded by the block, the budget and the context
+            const int n = std::min({n_max, block - 1, max_tokens - n_out, n_ctx - 2 - s});
+            t0 = now_ms();
+            if (n > 0 && dflash_draft_step(draft, cache, t, s, nullptr, proposal.data()) != 0) {
+                fail("%s", dflash_last_error());
+            }
+            st.t_draft_ms += now_ms() - t0;
+
+            // verify [t, d_1..d_n] at s..s+n in one target pass
+            t0 = now_ms();
+            verify.assign(1, t);
+            verify.insert(verify.end(), proposal.begin(), proposal.begin() + std::max(0, n));
+            if (hybrid && n > 0) {
+                snapshot.save(ctx);
+            }
+            decode(verify.data(), n + 1, s, true, true);
+            int acc = 0;
+            llama_token next = smp.sample(llama_get_logits_ith(ctx, 0), n_vocab);
+            while (acc < n && next == verify[acc + 1]) {
+                ++acc;
+                next = smp.sample(llama_get_logits_ith(ctx, acc), n_vocab);
+            }
+            // keep positions s..s+acc; the rest of the pass is undone
+            if (acc < n) {
+                llama_kv_cache_seq_rm(ctx, 0, s + acc + 1, -1);
+                if (hybrid) {
+                    // the recurrent state has run past the rejected rows: restore and replay
+                    snapshot.restore(ctx);
+                    llama_kv_cache_seq_rm(ctx, 0, s, -1);
+                    decode(verify.data(), acc + 1, s, false, false);
+                }
+            }
+            commit_features(0, acc + 1, s);
+            st.t_verify_ms += now_ms() - t0;
+            st.n_steps += 1;
+            st.n_drafted += n;
+            st.n_accepted += acc;
+
+            bool stop = false;
+            for (int j = 1; j <= acc && !stop; ++j) {
+                if (llama_token_is_eog(model, verify[j])) {
+                    stop = true;
+                } else {
+                    out[n_out++] = verify[j];
+                }
+            }
+            if (stop) {
+                break;
+            }
+            s += acc + 1;
+            t = next;
+        }
+        st.n_generated = n_out;
+        return n_out;
+    }
+};
+
+dflash_engine * dflash_engine_init(llama_context * target, dflash_draft * draft, dflash_engine_params params) {
+    return guarded([&]() -> dflash_engine * {
+        if (target == nullptr) {
+            fail("no target context given");
+        }
+        auto e = std::make_unique<dflash_engine>();
+        e->ctx = target;
+        e->model = llama_get_model(target);
+        e->draft = draft;
+        e->params = params;
+        e->hybrid = llama_model_has_recurrent(e->model);
+        if (draft != nullptr) {
+            e->cache = dflash_cache_init(draft, params.cross_ctx, params.full_attention);
+            if (e->cache == nullptr) {
+                fail("%s", dflash_last_error());
+            }
+            e->capture.n_embd = llama_model_n_embd(e->model);
+            for (int i = 0; i < dflash_draft_n_target_layers(draft); ++i) {
+                e->capture.layer_ids.push_back(dflash_draft_target_layer_id(draft, i));
+            }
+            e->capture.rows.resize(e->capture.layer_ids.size());
+            // take over the eval callback; every graph build re-installs it from cparams
+            e->previous_cb = target->cparams.cb_eval;
+            e->previous_cb_data = target->cparams.cb_eval_user_data;
+            target->cparams.cb_eval = feature_capture::callback;
+            target->cparams.cb_eval_user_data = &e->capture;
+        }
+        return e.release();
+    }, (dflash_engine *) nullptr);
+}
+
+void dflash_engine_free(dflash_engine * engine) { delete engine; }
+
+int dflash_engine_generate(dflash_engine * engine, const llama_token * prompt, int n_prompt, int max_tokens, int n_max,
+                           float temperature, uint32_t seed, llama_token * out, dflash_stats * stats) {
+    dflash_stats local{};
+    dflash_stats & st = stats ? *stats : local;
+    return guarded([&]() -> int {
+        return engine->generate(prompt, n_prompt, max_tokens, n_max, temperature, seed, out, st);
+    }, -1);
+}

@@ -1,0 +1,38 @@
+// Error handling shared by the DFlash runtime's files: internal code throws dflash_error; the C
+// entry points catch it and keep the message for dflash_last_error().
+
+#pragma once
+
+#include <cstdio>
+#include <exception>
+#include <stdexcept>
+#include <string>
+
+namespace dflash_impl {
+
+inline thread_local std::string last_error;
+
+struct dflash_error : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+template <typename... Args>
+[[noreturn]] void fail(const char * fmt, Args... args) {
+    char buf[1024];
+    snprintf(buf, sizeof(buf), fmt, args...);
+    throw dflash_error(buf);
+}
+
+// Run body for a C entry point: on an exception, keep its message and return on_error.
+template <typename F, typename R>
+R guarded(F && body, R on_error) {
+    try {
+        last_error.clear();
+        return body();
+    } catch (const std::exception & e) {
+        last_error = e.what();
+        return on_error;
+    }
+}
+
+}  // namespace dflash_impl

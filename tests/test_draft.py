@@ -1,0 +1,316 @@
+"""The DFlash draft: converted by our converter, loaded by the fork, computing what the reference
+computes; and every bad file or mismatched pair refused with its reason."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ikdflash import _core
+from ikdflash.convert import ConversionError, convert
+from ikdflash.tinydraft import write_hf_target, write_tiny_draft
+from gguf_edit import DROP, rewrite
+
+WINDOW = 8
+CASES = {
+    "all-full": dict(layer_types=["full_attention"] * 2),
+    "swa-5+1": dict(layer_types=["sliding_attention"] * 5 + ["full_attention"], sliding_window=WINDOW),
+    "causal-override": dict(layer_types=["sliding_attention"] * 2 + ["full_attention"], sliding_window=WINDOW,
+                            extra_config={"is_causal": True}),
+    "bidirectional-swa": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW,
+                              extra_config={"is_causal": False}),
+}
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model, tmp_path_factory):
+    """A tiny qwen3 target as GGUF (for the fork) and as a HF folder (for the reference)."""
+    gguf_path = tiny_model("qwen3")
+    hf = write_hf_target(tmp_path_factory.mktemp("hf-target"), gguf_path)
+    model = _core.Model(str(gguf_path), n_ctx=256)
+    yield gguf_path, hf, model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def drafts(target, tmp_path_factory):
+    """case -> (checkpoint folder, F32 GGUF, Q8_0 GGUF)."""
+    _, hf, _ = target
+    out = {}
+    for name, kwargs in CASES.items():
+        folder = write_tiny_draft(tmp_path_factory.mktemp(name), hf, target_layer_ids=[0, 2], seed=7, **kwargs)
+        f32 = convert(folder, hf, outtype="f32", outfile=folder / "draft-f32.gguf", log=lambda _: None)
+        q8 = convert(folder, hf, outtype="q8_0", outfile=folder / "draft-q8_0.gguf", log=lambda _: None)
+        out[name] = (folder, f32, q8)
+    return out
+
+
+def context(n_rows: int, width: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n_rows, width)).astype(np.float32)
+
+
+def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("n_ctx,start", [(20, 20), (5, 105)])
+def test_f32_matches_the_reference(target, drafts, case, n_ctx, start):
+    from reference import ReferenceDraft
+
+    _, hf, model = target
+    folder, f32, _ = drafts[case]
+    draft = _core.Draft(model, str(f32))
+    features = context(n_ctx, draft.info()["n_target_features"])
+    first = 65
+    logits, tokens = draft.forward(features, np.arange(start - n_ctx, start, dtype=np.int32), first, start)
+    ref = ReferenceDraft(folder, hf).logits(features, first, start)
+    assert logits.shape == ref.shape
+    assert relative_error(logits, ref) <= 1e-4
+    assert tokens == list(ref[1:].argmax(axis=1))
+
+
+@pytest.mark.parametrize("case", ["all-full", "swa-5+1"])
+def test_q8_0_keeps_the_argmax(target, drafts, case, record_property):
+    from reference import ReferenceDraft
+
+    _, hf, model = target
+    folder, _, q8 = drafts[case]
+    draft = _core.Draft(model, str(q8))
+    features = context(20, draft.info()["n_target_features"])
+    logits, tokens = draft.forward(features, np.arange(0, 20, dtype=np.int32), 65, 20)
+    ref = ReferenceDraft(folder, hf).logits(features, 65, 20)
+    error = relative_error(logits, ref)
+    record_property("q8_0_relative_error", error)
+    print(f"{case}: Q8_0 max relative logit error {error:.2e}")
+    assert error < 0.05
+    assert tokens == list(ref[1:].argmax(axis=1))
+
+
+def test_header_carries_the_sliding_pattern(target, drafts):
+    _, _, model = target
+    info = _core.Draft(model, str(drafts["swa-5+1"][1])).info()
+    assert info["format"] == "dflash-draft"
+    assert info["sliding"] == [True] * 5 + [False]
+    assert info["causal"] == [True] * 5 + [False]
+    assert info["sliding_window"] == WINDOW
+    assert info["target_layer_ids"] == [0, 2]
+    override = _core.Draft(model, str(drafts["causal-override"][1])).info()
+    assert override["causal"] == [True, True, True]
+
+
+def test_sliding_layers_do_not_grow_with_cross_ctx(target, drafts):
+    _, _, model = target
+    draft = _core.Draft(model, str(drafts["swa-5+1"][1]))
+    small, large = draft.cache_layout(64), draft.cache_layout(4096)
+    assert small["capacity"] == [WINDOW - 1] * 5 + [64]
+    assert large["capacity"] == [WINDOW - 1] * 5 + [4096]
+    full = draft.cache_layout(4096, full_attention=True)
+    assert full["capacity"] == [4096] * 6
+
+
+def test_window_changes_the_output_only_past_the_window(target, drafts):
+    """The sliding rule bites once context rows fall out of the window, not before."""
+    _, _, model = target
+    draft = _core.Draft(model, str(drafts["swa-5+1"][1]))
+    width = draft.info()["n_target_features"]
+    short = context(3, width)
+    pos = np.arange(0, 3, dtype=np.int32)
+    a, _ = draft.forward(short, pos, 65, 3)
+    b, _ = draft.forward(short, pos, 65, 3, full_attention=True)
+    assert not np.allclose(a, b)  # causal vs bidirectional block still differs
+    long = context(40, width)
+    pos = np.arange(0, 40, dtype=np.int32)
+    trimmed, _ = draft.forward(long[-(WINDOW - 1):], pos[-(WINDOW - 1):], 65, 40, cross_ctx=40)
+    whole, _ = draft.forward(long, pos, 65, 40, cross_ctx=40)
+    # the sliding layers see only the last W-1 rows either way; the full layer sees all 40
+    assert not np.allclose(trimmed, whole)
+
+
+def test_mask_rule_matches_the_reference():
+    import torch
+    from dflash.model import _attention_mask
+
+    n_ctx, n_q = 12, 8
+    for causal in (True, False):
+        for window in (None, 5):
+            ours = _core.attention_mask(list(range(n_ctx)), n_ctx, n_q, sliding=window is not None,
+                                        causal=causal, window=window or 0)
+            ref = _attention_mask(torch.zeros(1, 1, n_q, 1), torch.zeros(1, 1, n_ctx + n_q, 1),
+                                  is_causal=causal, sliding_window=window)[0, 0].numpy()
+            assert ours.shape == (16, n_ctx + n_q)  # rows padded to GGML_KQ_MASK_PAD
+            assert ((ours[:n_q] == 0) == ref).all()
+            assert np.isinf(ours[n_q:]).all()
+
+
+def test_mask_padding_for_cuda_flash_attention():
+    mask = _core.attention_mask(list(range(300)), 300, 16, sliding=True, causal=True, window=4096, kv_pad=256)
+    assert mask.shape == (16, 512)
+    assert np.isinf(mask[:, 316:]).all()
+
+
+def test_upstream_dflash_format_loads_the_same(target, drafts, tmp_path):
+    _, _, model = target
+    ours = drafts["swa-5+1"][1]
+    names = {"dflash_fc.weight": "fc.weight", "dflash_hidden_norm.weight": "enc.output_norm.weight"}
+    upstream = rewrite(
+        ours, tmp_path / "upstream.gguf", arch="dflash",
+        rename_key=lambda k: k.replace("dflash-draft.dflash.", "dflash.").replace("dflash-draft.", "dflash."),
+        rename_tensor=lambda n: names.get(n, n.replace("post_attention_norm", "ffn_norm")),
+        fields={"dflash.target_layer_ids": DROP, "dflash.target_layers": [1, 3], "dflash.mask_token_id": DROP,
+                "tokenizer.ggml.mask_token_id": _core.Draft(model, str(ours)).info()["mask_token"]})
+    features = context(12, 128)
+    pos = np.arange(0, 12, dtype=np.int32)
+    a, _ = _core.Draft(model, str(ours)).forward(features, pos, 65, 12)
+    other = _core.Draft(model, str(upstream))
+    assert other.info()["format"] == "dflash"
+    assert other.info()["target_layer_ids"] == [0, 2]
+    b, _ = other.forward(features, pos, 65, 12)
+    np.testing.assert_array_equal(a, b)
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+def load_error(model, path) -> str:
+    with pytest.raises(ValueError) as info:
+        _core.Draft(model, str(path))
+    return str(info.value)
+
+
+def test_missing_draft_file(target, tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.gguf: file not found"):
+        _core.Draft(target[2], str(tmp_path / "nope.gguf"))
+
+
+def test_truncated_and_corrupt_drafts(target, drafts, tmp_path):
+    whole = drafts["all-full"][1].read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(whole[: len(whole) - 1000])
+    assert "truncated" in load_error(target[2], tmp_path / "cut.gguf")
+    (tmp_path / "head.gguf").write_bytes(whole[:200])
+    assert "not a valid GGUF file" in load_error(target[2], tmp_path / "head.gguf")
+    (tmp_path / "noise.gguf").write_bytes(b"GGUF" + np.random.default_rng(0).bytes(4096))
+    assert "not a valid GGUF file" in load_error(target[2], tmp_path / "noise.gguf")
+
+
+def test_target_given_as_draft(target):
+    gguf_path, _, model = target
+    assert "architecture 'qwen3' is not a DFlash draft" in load_error(model, gguf_path)
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"dflash-draft.dflash.mask_token_id": 100000}, "mask token 100000 is outside the vocabulary"),
+    ({"dflash-draft.dflash.target_layer_ids": [0, 9]}, "target layer id 9 is outside the target's 4 layers"),
+    ({"dflash-draft.dflash.target_layer_ids": [0, 3]}, "target layer id 3 is the target's last layer"),
+    ({"dflash-draft.dflash.n_target_features": 192}, "feature width 192 differs from target hidden size 64 x 2"),
+    ({"dflash-draft.attention.sliding_window_pattern": [True, False, True]},
+     "sliding_window_pattern has 3 entries for 6 layers"),
+    ({"dflash-draft.attention.layer_norm_rms_epsilon": DROP}, "layer_norm_rms_epsilon"),
+])
+def test_mismatched_header(target, drafts, tmp_path, edit, message):
+    bad = rewrite(drafts["swa-5+1"][1], tmp_path / "bad.gguf", fields=edit)
+    assert message in load_error(target[2], bad)
+
+
+def test_vocabulary_mismatch(target, drafts, tmp_path):
+    tokens = list(_field(drafts["all-full"][1], "tokenizer.ggml.tokens"))
+    shorter = rewrite(drafts["all-full"][1], tmp_path / "short.gguf",
+                      fields={"tokenizer.ggml.tokens": tokens[:-1],
+                              "tokenizer.ggml.token_type": list(_field(drafts["all-full"][1],
+                                                                       "tokenizer.ggml.token_type"))[:-1]})
+    assert "vocabulary size" in load_error(target[2], shorter)
+    tokens[70] = "zzz"
+    renamed = rewrite(drafts["all-full"][1], tmp_path / "renamed.gguf", fields={"tokenizer.ggml.tokens": tokens})
+    assert "token 70 is 'zzz' in the draft" in load_error(target[2], renamed)
+
+
+def test_extra_tensor_is_refused(target, drafts, tmp_path):
+    bad = rewrite(drafts["all-full"][1], tmp_path / "bias.gguf",
+                  rename_tensor=lambda n: "blk.0.attn_q.bias" if n == "blk.0.attn_q_norm.weight" else n)
+    message = load_error(target[2], bad)
+    assert "missing tensor 'blk.0.attn_q_norm.weight'" in message or "unexpected tensor" in message
+
+
+def _field(path, key):
+    import gguf
+    return gguf.GGUFReader(path).fields[key].contents()
+
+
+# --- the converter ---------------------------------------------------------------------------
+
+def test_converter_header_keys(target, drafts):
+    import gguf
+    _, hf, _ = target
+    reader = gguf.GGUFReader(drafts["causal-override"][2])
+    f = lambda k: reader.fields[k].contents()  # noqa: E731
+    assert f("general.architecture") == "dflash-draft"
+    assert f("dflash-draft.dflash.block_size") == 8
+    assert f("dflash-draft.dflash.target_layer_ids") == [0, 2]
+    assert f("dflash-draft.dflash.n_target_features") == 128
+    assert f("dflash-draft.attention.sliding_window_pattern") == [True, True, False]
+    assert f("dflash-draft.dflash.is_causal") is True
+    assert "dflash-draft.dflash.output_multiplier" not in reader.fields
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == "Q8_0" and types["blk.0.attn_norm.weight"] == "F32"
+    assert "token_embd.weight" not in types  # borrowed from the target at run time
+
+
+def test_rope_base_read_from_rope_parameters(target, tmp_path):
+    import gguf
+    _, hf, _ = target
+    folder = write_tiny_draft(tmp_path / "d", hf, target_layer_ids=[0], rope_theta=1e6, rope_in_parameters=True)
+    out = convert(folder, hf, outtype="f16", log=lambda _: None)
+    assert gguf.GGUFReader(out).fields["dflash-draft.rope.freq_base"].contents() == pytest.approx(1e6)
+
+
+def test_converter_takes_the_tokenizer_from_a_gguf_target(target, tmp_path):
+    import gguf
+    gguf_path, hf, model = target
+    folder = write_tiny_draft(tmp_path / "d", hf, target_layer_ids=[1])
+    out = convert(folder, gguf_path, outtype="f32", log=lambda _: None)
+    assert _core.Draft(model, str(out)).info()["target_layer_ids"] == [1]
+    assert gguf.GGUFReader(out).fields["tokenizer.ggml.pre"].contents() == \
+        gguf.GGUFReader(gguf_path).fields["tokenizer.ggml.pre"].contents()
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"architectures": ["DFlash2DraftModel"]}, "is not supported (expected DFlashDraftModel)"),
+    ({"attention_bias": True}, "attention_bias=true is not supported"),
+    ({"dflash_config": {"mask_token_id": 5}}, "missing required key 'target_layer_ids'"),
+    ({"dflash_config": {"target_layer_ids": [0, 7], "mask_token_id": 5}}, "outside the target's 4 layers"),
+    ({"layer_types": ["sliding_attention"], "sliding_window": None}, "sliding_window is not set"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
+])
+def test_converter_errors(target, tmp_path, change, message):
+    _, hf, _ = target
+    folder = write_tiny_draft(tmp_path / "d", hf, target_layer_ids=[0], layer_types=["full_attention"])
+    config = json.loads((folder / "config.json").read_text()) | change
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        convert(folder, hf, log=lambda _: None)
+
+
+def test_converter_missing_inputs(target, tmp_path):
+    _, hf, _ = target
+    with pytest.raises(ConversionError, match="draft folder .* does not exist"):
+        convert(tmp_path / "none", hf)
+    folder = write_tiny_draft(tmp_path / "d", hf, target_layer_ids=[0], layer_types=["full_attention"])
+    with pytest.raises(ConversionError, match="target .* does not exist"):
+        convert(folder, tmp_path / "no-target")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ConversionError, match="no \\*.safetensors weights found"):
+        convert(folder, hf)
+
+
+def test_convert_command_line(target, tmp_path):
+    import subprocess
+    import sys
+    _, hf, _ = target
+    folder = write_tiny_draft(tmp_path / "d", hf, target_layer_ids=[0], layer_types=["full_attention"])
+    ok = subprocess.run([sys.executable, "-m", "ikdflash.convert", str(folder), "--target-model-dir", str(hf),
+                         "--outtype", "q8_0"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert (folder / "d-Q8_0.gguf").is_file() and "wrote" in ok.stderr
+    bad = subprocess.run(["ikdflash", "convert", str(folder)], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--target-model-dir" in bad.stderr
