@@ -14,9 +14,11 @@ DROP = object()  # value meaning "remove this key"
 
 def rewrite(src: Path, dst: Path, *, arch: str | None = None, fields: Mapping[str, Any] | None = None,
             rename_key: Callable[[str], str] = lambda k: k,
-            rename_tensor: Callable[[str], str | None] = lambda n: n) -> Path:
+            rename_tensor: Callable[[str], str | None] = lambda n: n,
+            tensors: Mapping[str, np.ndarray] | None = None) -> Path:
     """Copy src to dst. fields: key -> new value (typed like the old one, or int/float/bool/str/list
-    for new keys) or DROP. rename_tensor may return None to drop a tensor."""
+    for new keys) or DROP. rename_tensor may return None to drop a tensor. tensors: name -> new
+    F32 data (numpy shape), replacing a tensor or adding one."""
     reader = gguf.GGUFReader(src)
     old_arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(dst), arch or old_arch)
@@ -39,12 +41,18 @@ def rewrite(src: Path, dst: Path, *, arch: str | None = None, fields: Mapping[st
         vtype = gguf.GGUFValueType.get_type(value)
         sub = gguf.GGUFValueType.get_type(value[0]) if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, vtype, sub)
+    replaced = dict(tensors or {})
     for tensor in reader.tensors:
         name = rename_tensor(tensor.name)
         if name is None:
             continue
+        if name in replaced:
+            writer.add_tensor(name, replaced.pop(name).astype(np.float32))
+            continue
         shape = [int(n) for n in reversed(tensor.shape)]
         writer.add_tensor(name, np.asarray(tensor.data), raw_shape=shape, raw_dtype=tensor.tensor_type)
+    for name, data in replaced.items():
+        writer.add_tensor(name, data.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -40,10 +40,13 @@ def sdist() -> Path:
 
 
 def test_prepare_applies_the_series_and_is_idempotent(basetree, sdist, tmp_path):
-    dest = tmp_path / "tree"
+    # inside another git repository, as a build directory in a checkout is
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    dest = tmp_path / "build" / "tree"
     basetree.prepare(dest, str(sdist))
     stamp = basetree.read_stamp(dest)
     assert stamp["commit"] == "55d3c05"
+    assert "IKDFLASH_SOURCE_DIR" in (dest / "src" / "CMakeLists.txt").read_text()  # the hook patch
     assert (dest / "common" / "cmake" / "build-info-gen-cpp.cmake").is_file()
     marker = dest / "untouched"
     marker.write_text("prepare must not rebuild an unchanged tree")

@@ -7,7 +7,8 @@
 
 from ikdflash._core import __version__, build_info
 from ikdflash.model import Generation, Model
+from ikdflash.engine import Engine, SpeculationResult, SpeculationStats
 from ikdflash.client import Completion, complete
 from ikdflash.server import Server, ServerError
 
-__all__ = ["Completion", "Generation", "Model", "Server", "ServerError", "__version__", "build_info", "complete"]
+__all__ = ["Completion", "Engine", "Generation", "Model", "Server", "ServerError", "SpeculationResult", "SpeculationStats", "__version__", "build_info", "complete"]

@@ -83,9 +83,10 @@ def sha256_of(path: Path) -> str:
 
 
 def series_fingerprint(pin: dict[str, str]) -> str:
-    """Changes whenever the pin or any patch changes, so a stale tree is never reused."""
+    """Changes whenever the pin, a patch or this procedure changes: a stale tree is never reused."""
     digest = hashlib.sha256(pin["sha256"].encode())
-    digest.update((HERE / "build-info-gen.cmake").read_bytes())
+    for own in ("build-info-gen.cmake", "basetree.py"):
+        digest.update((HERE / own).read_bytes())
     for p in patch_series():
         digest.update(p.name.encode())
         digest.update(p.read_bytes())
@@ -174,8 +175,13 @@ def run_git(args: list[str], cwd: Path, check: bool = True) -> subprocess.Comple
 
 
 def apply_patches(tree: Path) -> None:
+    # The tree may sit inside another repository (a build directory in a checkout); git apply
+    # would then resolve paths against that repository and silently skip ours, so stop git's
+    # repository discovery at the tree.
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tree.parent)}
     for patch in patch_series():
-        result = run_git(["apply", "--whitespace=nowarn", str(patch)], cwd=tree, check=False)
+        result = subprocess.run(["git", "apply", "--whitespace=nowarn", str(patch)], cwd=tree, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         if result.returncode != 0:
             raise BaseTreeError(f"patch {patch.name} does not apply to the base:\n{result.stdout}")
 

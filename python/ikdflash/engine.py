@@ -1,0 +1,127 @@
+"""DFlash speculative decoding from Python: a target, a draft, and one generation loop.
+
+    from ikdflash import Engine
+    with Engine("target.gguf", "draft.gguf", n_ctx=8192) as engine:
+        out = engine.speculate("Write a haiku about rain.", max_tokens=128, n_max=4)
+        print(out.text, out.stats.acceptance, out.stats.mean_acceptance_length)
+        plain = engine.generate("Write a haiku about rain.", max_tokens=128)   # target alone
+
+Greedy speculation returns exactly the tokens plain greedy generation returns; with
+temperature > 0 the output follows the target's distribution (the target samples every
+position; a draft token is kept while it equals the target's sample).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ikdflash import _core
+from ikdflash.model import Model
+
+
+@dataclass
+class SpeculationStats:
+    """Per-call statistics, as the DFlash model cards report them."""
+
+    prompt_tokens: int
+    generated: int
+    drafted: int
+    accepted: int
+    steps: int           # target verification passes
+    prompt_time: float   # seconds
+    draft_time: float
+    verify_time: float
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted / drafted draft tokens."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per verification pass (accepted + the target's own token)."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generation speed, prompt processing excluded."""
+        busy = self.draft_time + self.verify_time
+        return self.generated / busy if busy > 0 else 0.0
+
+
+@dataclass
+class SpeculationResult:
+    text: str
+    tokens: list[int] = field(default_factory=list)
+    stats: SpeculationStats | None = None
+
+
+class Engine:
+    """A target GGUF and, optionally, a DFlash draft GGUF, loaded in the fork.
+
+    Model parameters: ``n_gpu_layers``. Context parameters: ``n_ctx`` (target context),
+    ``n_batch``, ``n_threads``. DFlash parameters: ``cross_ctx`` (context rows the draft's
+    full-attention layers keep; default: follow ``n_ctx``, so a sliding window can engage),
+    ``full_attention`` (run every draft layer as full attention, for validation).
+    """
+
+    def __init__(self, target: str | os.PathLike[str], draft: str | os.PathLike[str] | None = None, *,
+                 n_ctx: int = 4096, cross_ctx: int | None = None, n_gpu_layers: int = 0,
+                 n_threads: int | None = None, n_batch: int = 512, full_attention: bool = False,
+                 verbose: bool = False) -> None:
+        if cross_ctx is not None and cross_ctx < 1:
+            raise ValueError(f"cross_ctx must be at least 1, got {cross_ctx}")
+        self.target = Model(target, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
+                            n_gpu_layers=n_gpu_layers, verbose=verbose)
+        try:
+            self.draft = _core.Draft(self.target._native, os.fspath(draft), n_threads or 0) if draft else None
+            self.cross_ctx = cross_ctx or n_ctx
+            self._native = _core.Engine(self.target._native, self.draft, self.cross_ctx, full_attention)
+        except BaseException:
+            self.target.close()
+            raise
+
+    def close(self) -> None:
+        self._native = None
+        if self.draft is not None:
+            self.draft.close()
+        self.target.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def block_size(self) -> int:
+        return self.draft.info()["block_size"] if self.draft else 1
+
+    def speculate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int = 4,
+                  temperature: float = 0.0, seed: int = 0) -> SpeculationResult:
+        """Generate with DFlash: draft up to n_max tokens per step (capped at block_size - 1)."""
+        if self.draft is None:
+            raise ValueError("speculate() needs a draft model; use generate() for the target alone")
+        if n_max < 1:
+            raise ValueError(f"n_max must be at least 1, got {n_max}")
+        return self._run(prompt, max_tokens, n_max, temperature, seed)
+
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
+                 seed: int = 0) -> SpeculationResult:
+        """Generate with the target alone, through the same loop (the baseline)."""
+        return self._run(prompt, max_tokens, 0, temperature, seed)
+
+    def _run(self, prompt: str | Sequence[int], max_tokens: int, n_max: int, temperature: float,
+             seed: int) -> SpeculationResult:
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        tokens = self.target.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        out, raw = self._native.generate(tokens, max_tokens, n_max, temperature, seed)
+        stats = SpeculationStats(
+            prompt_tokens=raw["n_prompt"], generated=raw["n_generated"], drafted=raw["n_drafted"],
+            accepted=raw["n_accepted"], steps=raw["n_steps"], prompt_time=raw["t_prompt_ms"] / 1e3,
+            draft_time=raw["t_draft_ms"] / 1e3, verify_time=raw["t_verify_ms"] / 1e3)
+        text = self.target.detokenize(out).decode("utf-8", errors="replace")
+        return SpeculationResult(text=text, tokens=out, stats=stats)

@@ -1,0 +1,161 @@
+"""The speculative engine: lossless against plain generation, honest statistics, hybrid rollback."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ikdflash import Engine
+from conftest import TARGET_ARCHS
+from gguf_edit import rewrite
+
+WINDOW = 8
+SWA = dict(layer_types=["sliding_attention"] * 2 + ["full_attention"], sliding_window=WINDOW, block_size=16)
+# ~120 tokens: longer than cross_ctx below and than the n_batch of 16 used here
+PROMPT = ("in the beginning the quick brown fox jumped over the lazy dog while the cat sat on the mat "
+          "and the dog barked at the moon, then everyone went home to sleep until the morning sun. ") * 2
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_model, tiny_draft):
+    """arch -> (target GGUF, SWA draft GGUF made for it)."""
+    out = {}
+    for arch in TARGET_ARCHS:
+        target = tiny_model(arch)
+        out[arch] = (target, tiny_draft(target, target_layer_ids=[0, 2], seed=3, **SWA))
+    return out
+
+
+@pytest.mark.parametrize("arch", TARGET_ARCHS)
+@pytest.mark.parametrize("cross_ctx", [4, 64])
+def test_greedy_speculation_is_lossless(pairs, arch, cross_ctx):
+    target, draft = pairs[arch]
+    with Engine(target, draft, n_ctx=512, n_batch=16, cross_ctx=cross_ctx, n_threads=2) as engine:
+        prompt = engine.target.tokenize(PROMPT, add_special=False)
+        assert len(prompt) > max(cross_ctx, 16)
+        plain = engine.generate(prompt, max_tokens=40)
+        assert len(plain.tokens) == 40
+        for n_max in (1, 4, 15):
+            spec = engine.speculate(prompt, max_tokens=40, n_max=n_max)
+            assert spec.tokens == plain.tokens, f"n_max={n_max}"
+            st = spec.stats
+            assert st.drafted <= n_max * st.steps
+            # every step commits its accepted drafts plus one token of the target's own
+            assert st.generated == len(spec.tokens) == st.accepted + st.steps
+
+
+def test_plain_generation_equals_the_model(pairs):
+    from ikdflash import Model
+    target, draft = pairs["qwen3"]
+    with Model(target, n_ctx=512) as model:
+        expected = model.generate(PROMPT, max_tokens=30, stop_at_eog=False).tokens
+    with Engine(target, draft, n_ctx=512, n_batch=16) as engine:
+        assert engine.generate(PROMPT, max_tokens=30).tokens == expected
+
+
+@pytest.fixture(scope="module")
+def oracle_pair(tiny_model, tiny_draft, tmp_path_factory):
+    """A target whose head is all zeros, so it always picks token 0, and two drafts borrowing
+    heads: one that agrees (the same zero head) and one that never proposes token 0."""
+    import gguf
+    folder = tmp_path_factory.mktemp("oracle")
+    base = tiny_model("llama")
+    n_vocab = len(gguf.GGUFReader(base).fields["tokenizer.ggml.tokens"].contents())
+    n_embd = 64
+    target = rewrite(base, folder / "zero-head.gguf", tensors={"output.weight": np.zeros((n_vocab, n_embd))})
+    right = tiny_draft(target, target_layer_ids=[1], block_size=8, layer_types=["full_attention"])
+    # a head with rows u and -u for tokens 1 and 2: one of them is positive, token 0 stays at 0
+    u = np.random.default_rng(0).standard_normal(n_embd)
+    head = np.zeros((n_vocab, n_embd))
+    head[1], head[2] = u, -u
+    wrong = rewrite(right, folder / "wrong.gguf", tensors={
+        "token_embd.weight": _tensor(target, "token_embd.weight"), "output.weight": head})
+    return target, right, wrong
+
+
+def _tensor(path, name):
+    import gguf
+    for t in gguf.GGUFReader(path).tensors:
+        if t.name == name:
+            return np.array(t.data, dtype=np.float32)
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("n_max", [1, 4, 7])
+def test_a_draft_that_is_always_right(oracle_pair, n_max):
+    target, right, _ = oracle_pair
+    with Engine(target, right, n_ctx=256) as engine:
+        out = engine.speculate("hello there", max_tokens=8 * (n_max + 1), n_max=n_max)
+    st = out.stats
+    assert out.tokens == [0] * len(out.tokens)
+    assert st.acceptance == 1.0
+    assert st.mean_acceptance_length == n_max + 1
+    assert st.generated == st.accepted + st.steps
+
+
+def test_a_draft_that_is_always_wrong(oracle_pair):
+    target, _, wrong = oracle_pair
+    with Engine(target, wrong, n_ctx=256) as engine:
+        out = engine.speculate("hello there", max_tokens=20, n_max=4)
+    st = out.stats
+    assert st.drafted == 4 * st.steps and st.accepted == 0
+    assert st.acceptance == 0.0 and st.mean_acceptance_length == 1.0
+    assert out.tokens == [0] * 20
+
+
+def test_hybrid_target_continues_exactly_after_rejections(pairs):
+    """qwen35moe: rejected drafts must leave no trace in the Gated DeltaNet state."""
+    target, draft = pairs["qwen35moe"]
+    with Engine(target, draft, n_ctx=512, n_batch=16) as engine:
+        prompt = engine.target.tokenize(PROMPT, add_special=False)
+        plain = engine.generate(prompt, max_tokens=60)
+        spec = engine.speculate(prompt, max_tokens=60, n_max=4)
+    assert spec.stats.accepted < spec.stats.drafted  # there were rejections to roll back
+    assert spec.tokens == plain.tokens
+
+
+def test_sampling_is_seeded_and_reproducible(pairs):
+    target, draft = pairs["qwen3"]
+    with Engine(target, draft, n_ctx=512) as engine:
+        a = engine.speculate(PROMPT, max_tokens=30, n_max=4, temperature=0.8, seed=5)
+        b = engine.speculate(PROMPT, max_tokens=30, n_max=4, temperature=0.8, seed=5)
+        greedy = engine.speculate(PROMPT, max_tokens=30, n_max=4)
+    assert a.tokens == b.tokens
+    assert a.tokens != greedy.tokens
+
+
+def test_sampled_tokens_follow_the_target_distribution(oracle_pair):
+    """With a zero head every token is equally likely under the target; speculation must not
+    bias that towards the draft's (always token 0) proposals."""
+    target, right, _ = oracle_pair
+    with Engine(target, right, n_ctx=512) as engine:
+        out = engine.speculate("hi", max_tokens=400, n_max=4, temperature=1.0, seed=1)
+    share_of_zero = out.tokens.count(0) / len(out.tokens)
+    assert share_of_zero < 0.05  # uniform over ~300 tokens: about 0.3%
+
+
+def test_context_limit_and_max_tokens(pairs):
+    target, draft = pairs["llama"]
+    with Engine(target, draft, n_ctx=64) as engine:
+        prompt = engine.target.tokenize("the cat sat on the mat", add_special=False)
+        out = engine.speculate(prompt, max_tokens=500, n_max=4)
+        assert len(prompt) + len(out.tokens) == 64
+        assert out.tokens == engine.generate(prompt, max_tokens=500).tokens
+        assert len(engine.speculate(prompt, max_tokens=3, n_max=4).tokens) == 3
+        assert engine.speculate(prompt, max_tokens=0, n_max=4).tokens == []
+
+
+def test_bad_arguments(pairs):
+    target, draft = pairs["llama"]
+    with pytest.raises(ValueError, match="cross_ctx must be at least 1"):
+        Engine(target, draft, cross_ctx=0)
+    with Engine(target, draft, n_ctx=64) as engine:
+        with pytest.raises(ValueError, match="n_max must be at least 1"):
+            engine.speculate("hi", n_max=0)
+        with pytest.raises(ValueError, match="temperature must be >= 0"):
+            engine.speculate("hi", temperature=-1)
+        with pytest.raises(ValueError, match="prompt has .* tokens but the context holds 64"):
+            engine.speculate(list(range(100)))
+    with Engine(target, n_ctx=64) as alone:
+        with pytest.raises(ValueError, match="needs a draft model"):
+            alone.speculate("hi")
