@@ -49,7 +49,7 @@ def test_generation_stops_at_the_context_limit(tiny_model):
     with Model(tiny_model("llama"), n_ctx=64) as model:
         prompt = model.tokenize(TEXT, add_special=False)
         out = model.generate(prompt, max_tokens=500, stop_at_eog=False)
-        assert len(prompt) + len(out.tokens) == 64
+        assert len(prompt) + len(out.tokens) == model.n_ctx  # the fork may round n_ctx up
 
 
 # --- bad input -------------------------------------------------------------------------------

@@ -233,6 +233,9 @@ def _embeddings(w: _Weights, s: TinySpec, n_vocab: int) -> None:
     w.norm("output_norm.weight", s.n_embd)
     # Output is untied; on a unit-RMS input this gives logits with std ~3: peaked, varied.
     w.linear("output.weight", (n_vocab, s.n_embd), gain=3.0)
+    # Zero logits for the non-ASCII byte tokens: a lone byte >= 0x80 is invalid UTF-8, which
+    # llama-server cannot put into JSON, so greedy text must stay ASCII to be served at all.
+    w.tensors["output.weight"][0x80:0x100] = 0.0
 
 
 def _dense_layer(w: _Weights, s: TinySpec, il: int) -> None:
