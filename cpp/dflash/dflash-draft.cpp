@@ -29,6 +29,9 @@ namespace {
 
 constexpr int k_max_graph_nodes = 8192;
 constexpr int k_append_chunk = 256;  // context rows projected per graph
+// Keys per attention are padded to a multiple of this (zero rows, hidden by the mask), as the
+// fork's own KV cache is: the CPU matrix kernels overrun odd-sized KQ products otherwise.
+constexpr int k_kv_pad = 32;
 
 // --- GGUF metadata helpers -------------------------------------------------------------------
 
@@ -138,11 +141,15 @@ struct dflash_draft {
     std::vector<draft_layer> layers;
 
     ggml_backend_t backend = nullptr;
-    ggml_gallocr_t galloc = nullptr;
+    // One allocator per graph kind: an allocator reuses its last plan when a graph has the same
+    // node and leaf counts, which two different graphs can have by coincidence.
+    ggml_gallocr_t galloc_append = nullptr;
+    ggml_gallocr_t galloc_step = nullptr;
     std::vector<uint8_t> graph_meta;
 
     ~dflash_draft() {
-        if (galloc) ggml_gallocr_free(galloc);
+        if (galloc_append) ggml_gallocr_free(galloc_append);
+        if (galloc_step) ggml_gallocr_free(galloc_step);
         if (buf_w) ggml_backend_buffer_free(buf_w);
         if (ctx_w) ggml_free(ctx_w);
         if (backend) ggml_backend_free(backend);
@@ -158,7 +165,7 @@ struct dflash_draft {
         return ggml_init(params);
     }
 
-    void allocate(ggml_cgraph * gf) {
+    void allocate(ggml_gallocr_t galloc, ggml_cgraph * gf) {
         if (!ggml_gallocr_alloc_graph(galloc, gf)) {
             fail("could not allocate the draft's compute buffer");
         }
@@ -444,7 +451,8 @@ std::unique_ptr<dflash_draft> load(const char * path, const llama_model * target
     d->backend = ggml_backend_cpu_init();
     ggml_backend_cpu_set_n_threads(d->backend, std::max(1, n_threads));
     load_weights(*d, gctx);
-    d->galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(d->backend));
+    d->galloc_append = ggml_gallocr_new(ggml_backend_get_default_buffer_type(d->backend));
+    d->galloc_step = ggml_gallocr_new(ggml_backend_get_default_buffer_type(d->backend));
     d->graph_meta.resize(ggml_tensor_overhead() * k_max_graph_nodes + ggml_graph_overhead_custom(k_max_graph_nodes, false));
     return d;
 }
@@ -510,7 +518,7 @@ void append_rows(dflash_draft & d, dflash_cache & c, const float * features, con
         write_ring(ctx, gf, ggml_reshape_2d(ctx, ggml_cont(ctx, v), cl.v->ne[0], keep), cl.v, cl.capacity, slot);
         updates.push_back({il, first, keep, slot});
     }
-    d.allocate(gf);
+    d.allocate(d.galloc_append, gf);
     ggml_backend_tensor_set(inp_feat, features, 0, ggml_nbytes(inp_feat));
     ggml_backend_tensor_set(inp_pos, pos, 0, ggml_nbytes(inp_pos));
     if (ggml_backend_graph_compute(d.backend, gf) != GGML_STATUS_SUCCESS) {
@@ -545,7 +553,8 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
     ggml_set_input(inp_pos);
     std::vector<ggml_tensor *> masks(d.n_layer);
     for (int il = 0; il < d.n_layer; ++il) {
-        masks[il] = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, c.layers[il].n_used + B, dflash_mask_rows(B));
+        masks[il] = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, dflash_mask_cols(c.layers[il].n_used + B, k_kv_pad),
+                                       dflash_mask_rows(B));
         ggml_set_input(masks[il]);
     }
 
@@ -572,6 +581,11 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
             k = ggml_concat(ctx, k_ctx, k, 2);
             v = ggml_concat(ctx, v_ctx, v, 2);
         }
+        const int n_pad = dflash_mask_cols(cl.n_used + B, k_kv_pad) - (cl.n_used + B);
+        if (n_pad > 0) {
+            k = ggml_pad(ctx, k, 0, 0, n_pad, 0);
+            v = ggml_pad(ctx, v, 0, 0, n_pad, 0);
+        }
         // attention per head: grouped-query broadcast of kv heads over query heads
         ggml_tensor * kq = ggml_mul_mat(ctx, ggml_permute(ctx, k, 0, 2, 1, 3), ggml_permute(ctx, q, 0, 2, 1, 3));
         kq = ggml_soft_max_ext(ctx, kq, masks[il], kq_scale, 0.0f);
@@ -594,7 +608,7 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
     }
     ggml_set_output(logits);
     ggml_build_forward_expand(gf, logits);
-    d.allocate(gf);
+    d.allocate(d.galloc_step, gf);
 
     std::vector<llama_token> block(B, d.mask_token);
     block[0] = first;
@@ -608,7 +622,7 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
     for (int il = 0; il < d.n_layer; ++il) {
         const dflash_cache_layer & cl = c.layers[il];
         mask.resize(ggml_nelements(masks[il]));
-        dflash_fill_mask(mask.data(), d.rule(il, c.full_attention), cl.slot_pos.data(), cl.n_used, start, B, 1);
+        dflash_fill_mask(mask.data(), d.rule(il, c.full_attention), cl.slot_pos.data(), cl.n_used, start, B, k_kv_pad);
         ggml_backend_tensor_set(masks[il], mask.data(), 0, ggml_nbytes(masks[il]));
     }
     if (ggml_backend_graph_compute(d.backend, gf) != GGML_STATUS_SUCCESS) {

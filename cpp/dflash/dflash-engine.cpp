@@ -261,8 +261,9 @@ struct dflash_engine {
             if (s >= n_ctx - 1 || n_out == max_tokens) {
                 break;  // t is the last token that fits, or the last one asked for
             }
-            // draft n tokens after t, bounded by the block, the budget and the context
-            const int n = std::min({n_max, block - 1, max_tokens - n_out, n_ctx - 2 - s});
+            // draft n tokens after t, bounded by the block, the context, and the budget, leaving
+            // room for the target's own token so that every step's tokens are all returned
+            const int n = std::min({n_max, block - 1, max_tokens - n_out - 1, n_ctx - 2 - s});
             t0 = now_ms();
             if (n > 0 && dflash_draft_step(draft, cache, t, s, nullptr, proposal.data()) != 0) {
                 fail("%s", dflash_last_error());

@@ -84,7 +84,8 @@ struct dflash_stats {
     int64_t n_generated;     // tokens returned
     int64_t n_drafted;       // draft tokens offered for verification
     int64_t n_accepted;      // draft tokens accepted
-    int64_t n_steps;         // target verification passes
+    int64_t n_steps;         // target passes after the prompt: n_generated = 1 + n_accepted + n_steps
+                             // (the prompt pass gives the first token), less one if it ended at a stop token
     double  t_prompt_ms;
     double  t_draft_ms;
     double  t_verify_ms;     // target passes, sampling and rollback

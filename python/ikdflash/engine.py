@@ -29,7 +29,7 @@ class SpeculationStats:
     generated: int
     drafted: int
     accepted: int
-    steps: int           # target verification passes
+    steps: int           # target passes after the prompt (each returns accepted drafts + 1 token)
     prompt_time: float   # seconds
     draft_time: float
     verify_time: float
