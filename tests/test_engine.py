@@ -162,3 +162,38 @@ def test_bad_arguments(pairs):
     with Engine(target, n_ctx=64) as alone:
         with pytest.raises(ValueError, match="needs a draft model"):
             alone.speculate("hi")
+
+
+def test_proposals_match_the_reference_end_to_end(tiny_model, tmp_path, monkeypatch):
+    """The whole loop against dflash 0.1.0's dflash_generate on the same tiny qwen3 target (as a
+    transformers Qwen3ForCausalLM) and draft: same tokens, and the same number of tokens taken
+    from every step, which needs the same proposals, hence the same captured features, positions
+    and cross-context as the reference."""
+    import time
+
+    import dflash.model
+    import torch
+    from dflash.model import DFlashDraftModel, dflash_generate
+    from transformers import Qwen3ForCausalLM
+    from ikdflash.convert import convert
+    from ikdflash.tinydraft import write_hf_target, write_tiny_draft
+
+    target = tiny_model("qwen3")
+    hf = write_hf_target(tmp_path / "hf", target, full=True)
+    checkpoint = write_tiny_draft(tmp_path / "draft", hf, target_layer_ids=[0, 2], seed=11, **SWA)
+    draft = convert(checkpoint, hf, outtype="f32", outfile=tmp_path / "draft.gguf", log=lambda _: None)
+
+    with Engine(target, draft, n_ctx=512) as engine:
+        prompt = engine.target.tokenize(PROMPT[:120], add_special=False)
+        ours = engine.speculate(prompt, max_tokens=48, n_max=15)
+
+    ref_target = Qwen3ForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    ref_draft = DFlashDraftModel.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    monkeypatch.setattr(dflash.model, "_cuda_time", time.perf_counter)  # its timer assumes CUDA
+    ref = dflash_generate(ref_draft, ref_target, torch.tensor([prompt]), max_new_tokens=48,
+                          stop_token_ids=None, return_stats=True)
+    ref_tokens = ref.output_ids[0, len(prompt):].tolist()
+    assert ours.tokens == ref_tokens
+    # the reference counts its prefill token in no step; the last step may be cut by the budget
+    assert ours.stats.step_lengths[:-1] == ref.acceptance_lengths[:len(ours.stats.step_lengths) - 1]
+    assert sum(ref.acceptance_lengths) > len(ref.acceptance_lengths)  # some drafts were accepted

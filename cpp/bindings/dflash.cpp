@@ -150,12 +150,13 @@ public:
             throw py::value_error("max_tokens must be >= 0, got " + std::to_string(max_tokens));
         }
         std::vector<llama_token> out(max_tokens);
+        std::vector<int32_t> step_lengths(max_tokens);
         dflash_stats stats{};
         int n = 0;
         {
             py::gil_scoped_release release;
             n = dflash_engine_generate(engine_, prompt.data(), (int) prompt.size(), max_tokens, n_max, temperature,
-                                       seed, out.data(), &stats);
+                                       seed, out.data(), &stats, step_lengths.data());
         }
         if (n < 0) {
             throw py::value_error(dflash_last_error());
@@ -170,6 +171,8 @@ public:
         st["t_prompt_ms"] = stats.t_prompt_ms;
         st["t_draft_ms"] = stats.t_draft_ms;
         st["t_verify_ms"] = stats.t_verify_ms;
+        step_lengths.resize(stats.n_steps);
+        st["step_lengths"] = step_lengths;
         return py::make_tuple(out, st);
     }
 

@@ -209,7 +209,7 @@ struct dflash_engine {
     }
 
     int generate(const llama_token * prompt, int n_prompt, int max_tokens, int n_max, float temperature,
-                 uint32_t seed, llama_token * out, dflash_stats & st) {
+                 uint32_t seed, llama_token * out, dflash_stats & st, int32_t * step_lengths) {
         const int n_ctx = (int) llama_n_ctx(ctx);
         const int n_vocab = llama_n_vocab(model);
         if (n_prompt < 1) {
@@ -296,6 +296,9 @@ struct dflash_engine {
             }
             commit_features(0, acc + 1, s);
             st.t_verify_ms += now_ms() - t0;
+            if (step_lengths != nullptr) {
+                step_lengths[st.n_steps] = acc + 1;
+            }
             st.n_steps += 1;
             st.n_drafted += n;
             st.n_accepted += acc;
@@ -353,10 +356,11 @@ dflash_engine * dflash_engine_init(llama_context * target, dflash_draft * draft,
 void dflash_engine_free(dflash_engine * engine) { delete engine; }
 
 int dflash_engine_generate(dflash_engine * engine, const llama_token * prompt, int n_prompt, int max_tokens, int n_max,
-                           float temperature, uint32_t seed, llama_token * out, dflash_stats * stats) {
+                           float temperature, uint32_t seed, llama_token * out, dflash_stats * stats,
+                           int32_t * step_lengths) {
     dflash_stats local{};
     dflash_stats & st = stats ? *stats : local;
     return guarded([&]() -> int {
-        return engine->generate(prompt, n_prompt, max_tokens, n_max, temperature, seed, out, st);
+        return engine->generate(prompt, n_prompt, max_tokens, n_max, temperature, seed, out, st, step_lengths);
     }, -1);
 }

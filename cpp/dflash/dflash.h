@@ -100,7 +100,8 @@ LLAMA_API void dflash_engine_free(dflash_engine * engine);
 // greedy; otherwise the target samples every position (seeded) and a draft token is kept while
 // it equals the target's sample, so the output follows the target's distribution. Stops at an
 // end-of-generation token (not returned) or when the context is full. Returns the number of
-// tokens written, or -1 (see dflash_last_error()).
+// tokens written, or -1 (see dflash_last_error()). step_lengths (may be NULL, room for max_tokens)
+// receives the tokens each verification pass returned (accepted drafts + 1).
 LLAMA_API int dflash_engine_generate(dflash_engine * engine, const llama_token * prompt, int n_prompt, int max_tokens,
                                      int n_max, float temperature, uint32_t seed, llama_token * out,
-                                     dflash_stats * stats);
+                                     dflash_stats * stats, int32_t * step_lengths);

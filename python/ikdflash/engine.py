@@ -33,6 +33,7 @@ class SpeculationStats:
     prompt_time: float   # seconds
     draft_time: float
     verify_time: float
+    step_lengths: list[int] = field(default_factory=list)  # tokens returned by each step
 
     @property
     def acceptance(self) -> float:
@@ -122,6 +123,7 @@ class Engine:
         stats = SpeculationStats(
             prompt_tokens=raw["n_prompt"], generated=raw["n_generated"], drafted=raw["n_drafted"],
             accepted=raw["n_accepted"], steps=raw["n_steps"], prompt_time=raw["t_prompt_ms"] / 1e3,
-            draft_time=raw["t_draft_ms"] / 1e3, verify_time=raw["t_verify_ms"] / 1e3)
+            draft_time=raw["t_draft_ms"] / 1e3, verify_time=raw["t_verify_ms"] / 1e3,
+            step_lengths=list(raw["step_lengths"]))
         text = self.target.detokenize(out).decode("utf-8", errors="replace")
         return SpeculationResult(text=text, tokens=out, stats=stats)

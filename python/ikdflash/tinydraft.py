@@ -23,15 +23,26 @@ import numpy as np
 from ikdflash.hf import write_tensors
 
 
-def write_hf_target(folder: Path, target_gguf: Path) -> Path:
-    """A Hugging Face view of a GGUF target: config.json, tokenizer.json and the embedding/head."""
+# GGUF -> Hugging Face names of a qwen3 decoder layer (the same matrices: no permutation for
+# NeoX-style RoPE).
+_QWEN3_LAYER = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def write_hf_target(folder: Path, target_gguf: Path, *, full: bool = False) -> Path:
+    """A Hugging Face view of a GGUF target: config.json, tokenizer.json and the embedding/head;
+    with full=True (qwen3 targets) every weight, loadable as transformers' Qwen3ForCausalLM."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     reader = gguf.GGUFReader(target_gguf)
     field = lambda key: reader.fields[key].contents()  # noqa: E731
     arch = field("general.architecture")
     weights = {t.name: np.array(t.data, dtype=np.float32) for t in reader.tensors
-               if t.name in ("token_embd.weight", "output.weight")}
+               if full or t.name in ("token_embd.weight", "output.weight")}
     embed = weights["token_embd.weight"]
     head = weights.get("output.weight", embed)
     tokens: list[str] = field("tokenizer.ggml.tokens")
@@ -58,8 +69,28 @@ def write_hf_target(folder: Path, target_gguf: Path) -> Path:
         "num_hidden_layers": int(field(f"{arch}.block_count")),
         "vocab_size": len(tokens),
     }
+    tensors = {"model.embed_tokens.weight": embed, "lm_head.weight": head}
+    if full:
+        if arch != "qwen3":
+            raise ValueError(f"full Hugging Face export is written for qwen3 targets, not {arch}")
+        config |= {
+            "architectures": ["Qwen3ForCausalLM"],
+            "num_attention_heads": int(field(f"{arch}.attention.head_count")),
+            "num_key_value_heads": int(field(f"{arch}.attention.head_count_kv")),
+            "head_dim": int(field(f"{arch}.attention.key_length")),
+            "intermediate_size": int(field(f"{arch}.feed_forward_length")),
+            "rms_norm_eps": float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
+            "rope_theta": float(field(f"{arch}.rope.freq_base")),
+            "max_position_embeddings": int(field(f"{arch}.context_length")),
+            "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False,
+        }
+        tensors["model.norm.weight"] = weights["output_norm.weight"]
+        for name, array in weights.items():
+            parts = name.split(".")
+            if parts[0] == "blk":
+                tensors[f"model.layers.{parts[1]}.{_QWEN3_LAYER[parts[2]]}.weight"] = array
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    write_tensors(folder / "model.safetensors", {"model.embed_tokens.weight": embed, "lm_head.weight": head})
+    write_tensors(folder / "model.safetensors", tensors)
     return folder
 
 
