@@ -28,93 +28,6 @@ double now_ms() {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Copies the outputs of the draft's target layers ("l_out-<il>") out of every target pass.
-struct feature_capture {
-    std::vector<int> layer_ids;           // in the draft's order
-    int n_embd = 0;
-    bool active = false;
-    std::vector<std::vector<float>> rows;  // per captured layer: n_embd floats per processed row
-
-    int slot_of(const ggml_tensor * t) const {
-        const char * name = ggml_get_name(t);
-        if (strncmp(name, "l_out-", 6) != 0) {
-            return -1;
-        }
-        const int il = atoi(name + 6);
-        for (size_t i = 0; i < layer_ids.size(); ++i) {
-            if (layer_ids[i] == il) {
-                return (int) i;
-            }
-        }
-        return -1;
-    }
-
-    // The scheduler asks first (ask = true) whether we want a tensor, then hands it over once
-    // computed; ubatches arrive in order, so appending keeps rows in batch order.
-    static bool callback(ggml_tensor * t, bool ask, void * user_data) {
-        auto * self = (feature_capture *) user_data;
-        const int slot = self->active ? self->slot_of(t) : -1;
-        if (ask) {
-            return slot >= 0;
-        }
-        if (slot >= 0) {
-            if (t->type != GGML_TYPE_F32 || t->ne[0] != self->n_embd) {
-                return false;  // cancels the pass; reported as a decode failure
-            }
-            std::vector<float> & out = self->rows[slot];
-            const size_t before = out.size();
-            out.resize(before + (size_t) ggml_nelements(t));
-            ggml_backend_tensor_get(t, out.data() + before, 0, ggml_nbytes(t));
-        }
-        return true;
-    }
-
-    void start() {
-        active = true;
-        for (auto & r : rows) {
-            r.clear();
-        }
-    }
-
-    // Row i of the last pass as one feature row (layers concatenated in the draft's order).
-    void feature_rows(int first, int count, std::vector<float> & out) const {
-        out.resize((size_t) count * n_embd * layer_ids.size());
-        for (int i = 0; i < count; ++i) {
-            for (size_t k = 0; k < layer_ids.size(); ++k) {
-                const float * src = rows[k].data() + (size_t) (first + i) * n_embd;
-                std::copy(src, src + n_embd, out.data() + ((size_t) i * layer_ids.size() + k) * n_embd);
-            }
-        }
-    }
-
-    int n_rows() const { return rows.empty() ? 0 : (int) (rows[0].size() / n_embd); }
-};
-
-// The recurrent rows of seq 0, saved before a verification pass (hybrid targets only).
-struct recurrent_snapshot {
-    std::vector<std::vector<uint8_t>> rows;
-
-    void save(llama_context * ctx) {
-        const auto & s_l = ctx->kv_self.s_l;
-        rows.resize(s_l.size());
-        for (size_t il = 0; il < s_l.size(); ++il) {
-            if (s_l[il] != nullptr) {
-                rows[il].resize(s_l[il]->nb[1]);
-                ggml_backend_tensor_get(s_l[il], rows[il].data(), 0, rows[il].size());
-            }
-        }
-    }
-
-    void restore(llama_context * ctx) const {
-        const auto & s_l = ctx->kv_self.s_l;
-        for (size_t il = 0; il < s_l.size(); ++il) {
-            if (s_l[il] != nullptr) {
-                ggml_backend_tensor_set(s_l[il], rows[il].data(), 0, rows[il].size());
-            }
-        }
-    }
-};
-
 struct sampler {
     float temperature;
     std::mt19937 rng;
@@ -136,25 +49,125 @@ struct sampler {
 
 }  // namespace
 
+// Copies the outputs of the draft's target layers ("l_out-<il>") out of every target pass.
+struct dflash_capture {
+    llama_context * ctx = nullptr;
+    ggml_backend_sched_eval_callback previous_cb = nullptr;
+    void * previous_cb_data = nullptr;
+    std::vector<int> layer_ids;            // in the draft's order
+    int n_embd = 0;
+    bool active = false;
+    std::vector<std::vector<float>> rows;  // per captured layer: n_embd floats per batch token
+
+    ~dflash_capture() {
+        ctx->cparams.cb_eval = previous_cb;
+        ctx->cparams.cb_eval_user_data = previous_cb_data;
+    }
+
+    int slot_of(const ggml_tensor * t) const {
+        const char * name = ggml_get_name(t);
+        if (strncmp(name, "l_out-", 6) != 0) {
+            return -1;
+        }
+        const int il = atoi(name + 6);
+        for (size_t i = 0; i < layer_ids.size(); ++i) {
+            if (layer_ids[i] == il) {
+                return (int) i;
+            }
+        }
+        return -1;
+    }
+
+    // The scheduler asks first (ask = true) whether we want a tensor, then hands it over once
+    // computed; ubatches arrive in order, so appending keeps rows in batch order.
+    static bool callback(ggml_tensor * t, bool ask, void * user_data) {
+        auto * self = (dflash_capture *) user_data;
+        const int slot = self->active ? self->slot_of(t) : -1;
+        if (ask) {
+            return slot >= 0;
+        }
+        if (slot >= 0) {
+            if (t->type != GGML_TYPE_F32 || t->ne[0] != self->n_embd) {
+                return false;  // cancels the pass; reported as a decode failure
+            }
+            std::vector<float> & out = self->rows[slot];
+            const size_t before = out.size();
+            out.resize(before + (size_t) ggml_nelements(t));
+            ggml_backend_tensor_get(t, out.data() + before, 0, ggml_nbytes(t));
+        }
+        return true;
+    }
+
+    int n_rows() const { return rows.empty() || n_embd == 0 ? 0 : (int) (rows[0].size() / n_embd); }
+
+    // Feature rows (layers concatenated in the draft's order) of the given captured rows.
+    void feature_rows(const int32_t * idx, int count, std::vector<float> & out) const {
+        out.resize((size_t) count * n_embd * layer_ids.size());
+        for (int i = 0; i < count; ++i) {
+            if (idx[i] < 0 || idx[i] >= n_rows()) {
+                fail("row %d was not captured (the last pass has %d rows)", idx[i], n_rows());
+            }
+            for (size_t k = 0; k < layer_ids.size(); ++k) {
+                const float * src = rows[k].data() + (size_t) idx[i] * n_embd;
+                std::copy(src, src + n_embd, out.data() + ((size_t) i * layer_ids.size() + k) * n_embd);
+            }
+        }
+    }
+};
+
+struct dflash_seq {
+    dflash_draft * draft = nullptr;
+    dflash_cache * cache = nullptr;
+    llama_seq_id seq_id = 0;
+    std::vector<std::vector<uint8_t>> recurrent;  // this sequence's row of every recurrent state
+
+    ~dflash_seq() { dflash_cache_free(cache); }
+
+    void commit(const dflash_capture & capture, const int32_t * idx, int n, llama_pos pos0) {
+        std::vector<float> features;
+        capture.feature_rows(idx, n, features);
+        std::vector<int32_t> pos(n);
+        for (int i = 0; i < n; ++i) {
+            pos[i] = pos0 + i;
+        }
+        if (dflash_cache_append(draft, cache, features.data(), pos.data(), n) != 0) {
+            fail("%s", dflash_last_error());
+        }
+    }
+
+    // The recurrent state tensors hold one row per sequence; only this one's is saved.
+    void save_state(llama_context * ctx) {
+        const auto & s_l = ctx->kv_self.s_l;
+        recurrent.resize(s_l.size());
+        for (size_t il = 0; il < s_l.size(); ++il) {
+            if (s_l[il] != nullptr) {
+                recurrent[il].resize(s_l[il]->nb[1]);
+                ggml_backend_tensor_get(s_l[il], recurrent[il].data(), seq_id * s_l[il]->nb[1], s_l[il]->nb[1]);
+            }
+        }
+    }
+
+    void restore_state(llama_context * ctx) const {
+        const auto & s_l = ctx->kv_self.s_l;
+        for (size_t il = 0; il < s_l.size() && il < recurrent.size(); ++il) {
+            if (s_l[il] != nullptr) {
+                ggml_backend_tensor_set(s_l[il], recurrent[il].data(), seq_id * s_l[il]->nb[1], s_l[il]->nb[1]);
+            }
+        }
+    }
+};
+
 struct dflash_engine {
     llama_context * ctx = nullptr;
     const llama_model * model = nullptr;
     dflash_draft * draft = nullptr;
-    dflash_cache * cache = nullptr;
-    dflash_engine_params params{};
-    feature_capture capture;
-    ggml_backend_sched_eval_callback previous_cb = nullptr;
-    void * previous_cb_data = nullptr;
+    std::unique_ptr<dflash_capture> capture;  // null without a draft
+    std::unique_ptr<dflash_seq> seq;
     bool hybrid = false;
     llama_batch batch{};
     int batch_capacity = 0;
 
     ~dflash_engine() {
-        if (ctx != nullptr) {
-            ctx->cparams.cb_eval = previous_cb;
-            ctx->cparams.cb_eval_user_data = previous_cb_data;
-        }
-        dflash_cache_free(cache);
         if (batch_capacity > 0) {
             llama_batch_free(batch);
         }
@@ -178,34 +191,32 @@ struct dflash_engine {
             batch.seq_id[j][0] = 0;
             batch.logits[j] = all_logits || j == n - 1;
         }
-        capture_rows = capture_rows && draft != nullptr;
+        capture_rows = capture_rows && capture != nullptr;
         if (capture_rows) {
-            capture.start();
+            dflash_capture_begin(capture.get(), true);
         }
         const int rc = llama_decode(ctx, batch);
-        capture.active = false;
+        if (capture) {
+            capture->active = false;
+        }
         if (rc != 0) {
             fail("the target's decode failed with code %d at position %d", rc, pos0);
         }
-        if (capture_rows && capture.n_rows() != n) {
-            fail("captured %d feature rows for %d tokens", capture.n_rows(), n);
+        if (capture_rows && capture->n_rows() != n) {
+            fail("captured %d feature rows for %d tokens", capture->n_rows(), n);
         }
     }
 
-    // Give the draft the captured rows [first, first+count) at positions pos0...
-    void commit_features(int first, int count, int pos0) {
-        if (draft == nullptr || count == 0) {
+    // Give the draft the first count rows of the last pass, at positions pos0...
+    void commit_features(int count, int pos0) {
+        if (seq == nullptr || count == 0) {
             return;
         }
-        std::vector<float> rows;
-        capture.feature_rows(first, count, rows);
-        std::vector<int32_t> pos(count);
+        std::vector<int32_t> idx(count);
         for (int i = 0; i < count; ++i) {
-            pos[i] = pos0 + i;
+            idx[i] = i;
         }
-        if (dflash_cache_append(draft, cache, rows.data(), pos.data(), count) != 0) {
-            fail("%s", dflash_last_error());
-        }
+        seq->commit(*capture, idx.data(), count, pos0);
     }
 
     int generate(const llama_token * prompt, int n_prompt, int max_tokens, int n_max, float temperature,
@@ -230,8 +241,8 @@ struct dflash_engine {
         st = {};
         sampler smp{temperature, std::mt19937(seed), {}};
         llama_kv_cache_clear(ctx);
-        if (cache != nullptr) {
-            dflash_cache_clear(cache);
+        if (seq != nullptr) {
+            dflash_seq_reset(seq.get());
         }
 
         // prompt, a batch at a time: every row's features go to the draft (which keeps what its
@@ -241,7 +252,7 @@ struct dflash_engine {
         for (int i = 0; i < n_prompt; i += n_batch) {
             const int m = std::min(n_batch, n_prompt - i);
             decode(prompt + i, m, i, false, true);
-            commit_features(0, m, i);
+            commit_features(m, i);
         }
         llama_token t = smp.sample(llama_get_logits_ith(ctx, -1), n_vocab);
         st.n_prompt = n_prompt;
@@ -252,7 +263,6 @@ struct dflash_engine {
         const int block = draft ? dflash_draft_block_size(draft) : 1;
         std::vector<llama_token> proposal(std::max(1, block - 1));
         std::vector<llama_token> verify;
-        recurrent_snapshot snapshot;
         while (true) {
             if (max_tokens <= n_out || llama_token_is_eog(model, t)) {
                 break;
@@ -265,7 +275,7 @@ struct dflash_engine {
             // room for the target's own token so that every step's tokens are all returned
             const int n = std::min({n_max, block - 1, max_tokens - n_out - 1, n_ctx - 2 - s});
             t0 = now_ms();
-            if (n > 0 && dflash_draft_step(draft, cache, t, s, nullptr, proposal.data()) != 0) {
+            if (n > 0 && dflash_seq_draft(seq.get(), t, s, n, proposal.data()) != 0) {
                 fail("%s", dflash_last_error());
             }
             st.t_draft_ms += now_ms() - t0;
@@ -275,7 +285,7 @@ struct dflash_engine {
             verify.assign(1, t);
             verify.insert(verify.end(), proposal.begin(), proposal.begin() + std::max(0, n));
             if (hybrid && n > 0) {
-                snapshot.save(ctx);
+                seq->save_state(ctx);
             }
             decode(verify.data(), n + 1, s, true, true);
             int acc = 0;
@@ -285,16 +295,16 @@ struct dflash_engine {
                 next = smp.sample(llama_get_logits_ith(ctx, acc), n_vocab);
             }
             // keep positions s..s+acc; the rest of the pass is undone
+            commit_features(acc + 1, s);
             if (acc < n) {
                 llama_kv_cache_seq_rm(ctx, 0, s + acc + 1, -1);
                 if (hybrid) {
                     // the recurrent state has run past the rejected rows: restore and replay
-                    snapshot.restore(ctx);
+                    seq->restore_state(ctx);
                     llama_kv_cache_seq_rm(ctx, 0, s, -1);
                     decode(verify.data(), acc + 1, s, false, false);
                 }
             }
-            commit_features(0, acc + 1, s);
             st.t_verify_ms += now_ms() - t0;
             if (step_lengths != nullptr) {
                 step_lengths[st.n_steps] = acc + 1;
@@ -331,23 +341,13 @@ dflash_engine * dflash_engine_init(llama_context * target, dflash_draft * draft,
         e->ctx = target;
         e->model = llama_get_model(target);
         e->draft = draft;
-        e->params = params;
         e->hybrid = llama_model_has_recurrent(e->model);
         if (draft != nullptr) {
-            e->cache = dflash_cache_init(draft, params.cross_ctx, params.full_attention);
-            if (e->cache == nullptr) {
+            e->seq.reset(dflash_seq_init(draft, params.cross_ctx, params.full_attention, 0));
+            if (e->seq == nullptr) {
                 fail("%s", dflash_last_error());
             }
-            e->capture.n_embd = llama_model_n_embd(e->model);
-            for (int i = 0; i < dflash_draft_n_target_layers(draft); ++i) {
-                e->capture.layer_ids.push_back(dflash_draft_target_layer_id(draft, i));
-            }
-            e->capture.rows.resize(e->capture.layer_ids.size());
-            // take over the eval callback; every graph build re-installs it from cparams
-            e->previous_cb = target->cparams.cb_eval;
-            e->previous_cb_data = target->cparams.cb_eval_user_data;
-            target->cparams.cb_eval = feature_capture::callback;
-            target->cparams.cb_eval_user_data = &e->capture;
+            e->capture.reset(dflash_capture_init(target, draft));
         }
         return e.release();
     }, (dflash_engine *) nullptr);
@@ -364,3 +364,74 @@ int dflash_engine_generate(dflash_engine * engine, const llama_token * prompt, i
         return engine->generate(prompt, n_prompt, max_tokens, n_max, temperature, seed, out, st, step_lengths);
     }, -1);
 }
+
+// --- pieces --------------------------------------------------------------------------------------
+
+dflash_capture * dflash_capture_init(llama_context * ctx, const dflash_draft * draft) {
+    auto c = std::make_unique<dflash_capture>();
+    c->ctx = ctx;
+    c->n_embd = llama_model_n_embd(llama_get_model(ctx));
+    for (int i = 0; i < dflash_draft_n_target_layers(draft); ++i) {
+        c->layer_ids.push_back(dflash_draft_target_layer_id(draft, i));
+    }
+    c->rows.resize(c->layer_ids.size());
+    // every graph build re-installs the callback from cparams, so setting it there is enough
+    c->previous_cb = ctx->cparams.cb_eval;
+    c->previous_cb_data = ctx->cparams.cb_eval_user_data;
+    ctx->cparams.cb_eval = dflash_capture::callback;
+    ctx->cparams.cb_eval_user_data = c.get();
+    return c.release();
+}
+
+void dflash_capture_free(dflash_capture * capture) { delete capture; }
+
+void dflash_capture_begin(dflash_capture * capture, bool active) {
+    capture->active = active;
+    for (auto & r : capture->rows) {
+        r.clear();
+    }
+}
+
+int dflash_capture_n_rows(const dflash_capture * capture) { return capture->n_rows(); }
+
+dflash_seq * dflash_seq_init(dflash_draft * draft, int cross_ctx, bool full_attention, llama_seq_id seq_id) {
+    return guarded([&]() -> dflash_seq * {
+        auto s = std::make_unique<dflash_seq>();
+        s->draft = draft;
+        s->seq_id = seq_id;
+        s->cache = dflash_cache_init(draft, cross_ctx, full_attention);
+        if (s->cache == nullptr) {
+            fail("%s", dflash_last_error());
+        }
+        return s.release();
+    }, (dflash_seq *) nullptr);
+}
+
+void dflash_seq_free(dflash_seq * seq) { delete seq; }
+
+void dflash_seq_reset(dflash_seq * seq) { dflash_cache_clear(seq->cache); }
+
+int dflash_seq_commit(dflash_seq * seq, const dflash_capture * capture, const int32_t * rows, int n_rows, llama_pos pos0) {
+    return guarded([&]() -> int {
+        seq->commit(*capture, rows, n_rows, pos0);
+        return 0;
+    }, -1);
+}
+
+int dflash_seq_draft(dflash_seq * seq, llama_token t, llama_pos pos, int n, llama_token * out) {
+    const int block = dflash_draft_block_size(seq->draft);
+    if (n < 0 || n > block - 1) {
+        dflash_impl::last_error = "draft length " + std::to_string(n) + " outside 0.." + std::to_string(block - 1);
+        return -1;
+    }
+    std::vector<llama_token> proposal(block - 1);
+    if (dflash_draft_step(seq->draft, seq->cache, t, pos, nullptr, proposal.data()) != 0) {
+        return -1;
+    }
+    std::copy(proposal.begin(), proposal.begin() + n, out);
+    return 0;
+}
+
+void dflash_seq_save_state(dflash_seq * seq, llama_context * ctx) { seq->save_state(ctx); }
+
+void dflash_seq_restore_state(const dflash_seq * seq, llama_context * ctx) { seq->restore_state(ctx); }

@@ -65,6 +65,35 @@ LLAMA_API int dflash_cache_append(dflash_draft * draft, dflash_cache * cache,
 LLAMA_API int dflash_draft_step(dflash_draft * draft, dflash_cache * cache, llama_token first_token,
                                 int32_t start_pos, float * logits, llama_token * tokens);
 
+// --- pieces of a speculative loop ---------------------------------------------------------------
+// What a decoding loop with its own batching (llama-server) needs; dflash_engine below is the
+// simple single-sequence loop built from the same pieces.
+
+struct dflash_capture;  // the draft's target-layer outputs, copied out of every target pass
+struct dflash_seq;      // one sequence's DFlash state: cross-context and recurrent snapshot
+
+// Takes over the context's eval callback (restored by dflash_capture_free).
+LLAMA_API dflash_capture * dflash_capture_init(llama_context * ctx, const dflash_draft * draft);
+LLAMA_API void dflash_capture_free(dflash_capture * capture);
+// Call before each llama_decode: forget the last pass's rows; active = false skips capturing.
+LLAMA_API void dflash_capture_begin(dflash_capture * capture, bool active);
+// Rows captured by the last pass (one per batch token, in batch order).
+LLAMA_API int  dflash_capture_n_rows(const dflash_capture * capture);
+
+LLAMA_API dflash_seq * dflash_seq_init(dflash_draft * draft, int cross_ctx, bool full_attention, llama_seq_id seq_id);
+LLAMA_API void dflash_seq_free(dflash_seq * seq);
+// Forget all context rows (a new request on this sequence).
+LLAMA_API void dflash_seq_reset(dflash_seq * seq);
+// Commit rows (indices into the last pass's captured rows) at positions pos0, pos0+1, ...
+LLAMA_API int  dflash_seq_commit(dflash_seq * seq, const dflash_capture * capture, const int32_t * rows, int n_rows,
+                                 llama_pos pos0);
+// Propose n tokens (n <= block_size - 1) after token t at position pos. Returns 0 on success.
+LLAMA_API int  dflash_seq_draft(dflash_seq * seq, llama_token t, llama_pos pos, int n, llama_token * out);
+// Hybrid targets: save this sequence's recurrent state before a verification pass, and put it
+// back after a rejection (then replay the accepted tokens). No-ops for other targets.
+LLAMA_API void dflash_seq_save_state(dflash_seq * seq, llama_context * ctx);
+LLAMA_API void dflash_seq_restore_state(const dflash_seq * seq, llama_context * ctx);
+
 // --- the speculative engine ---------------------------------------------------------------------
 // One sequence (seq 0) of a target context, drafted by a DFlash draft: draft a block, verify it in
 // one target batch, keep the longest matching prefix plus the target's own next token, roll the
