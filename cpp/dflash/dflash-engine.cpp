@@ -387,8 +387,10 @@ void dflash_capture_free(dflash_capture * capture) { delete capture; }
 
 void dflash_capture_begin(dflash_capture * capture, bool active) {
     capture->active = active;
-    for (auto & r : capture->rows) {
-        r.clear();
+    if (active) {
+        for (auto & r : capture->rows) {
+            r.clear();
+        }
     }
 }
 

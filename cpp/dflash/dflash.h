@@ -75,7 +75,8 @@ struct dflash_seq;      // one sequence's DFlash state: cross-context and recurr
 // Takes over the context's eval callback (restored by dflash_capture_free).
 LLAMA_API dflash_capture * dflash_capture_init(llama_context * ctx, const dflash_draft * draft);
 LLAMA_API void dflash_capture_free(dflash_capture * capture);
-// Call before each llama_decode: forget the last pass's rows; active = false skips capturing.
+// Call before each llama_decode. active: capture this pass (forgetting the last pass's rows);
+// not active: skip this pass and keep the last pass's rows.
 LLAMA_API void dflash_capture_begin(dflash_capture * capture, bool active);
 // Rows captured by the last pass (one per batch token, in batch order).
 LLAMA_API int  dflash_capture_n_rows(const dflash_capture * capture);
@@ -134,3 +135,20 @@ LLAMA_API void dflash_engine_free(dflash_engine * engine);
 LLAMA_API int dflash_engine_generate(dflash_engine * engine, const llama_token * prompt, int n_prompt, int max_tokens,
                                      int n_max, float temperature, uint32_t seed, llama_token * out,
                                      dflash_stats * stats, int32_t * step_lengths);
+
+// --- command line --------------------------------------------------------------------------------
+
+// What `--spec-type dflash:k=v,...` sets. Keys, as ik_llama.cpp spells them: n_max, n_min,
+// p_min, cross_ctx (alias dflash_cross_ctx); ours: full_attention (0/1). cross_ctx 0 means
+// "follow the context size".
+struct dflash_spec_options {
+    int32_t n_max;
+    int32_t n_min;
+    float   p_min;
+    int32_t cross_ctx;
+    bool    full_attention;
+};
+
+// Parse the part after "dflash:" into options (fields not named keep their values). Returns 0,
+// or -1 with dflash_last_error() naming the key and the problem.
+LLAMA_API int dflash_parse_spec_options(const char * text, dflash_spec_options * options);

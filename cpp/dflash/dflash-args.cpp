@@ -1,0 +1,69 @@
+// The `--spec-type dflash:k=v,...` grammar for the fork's command line.
+
+#include "dflash.h"
+#include "dflash-impl.h"
+
+#include <cstdlib>
+#include <string>
+
+using dflash_impl::fail;
+using dflash_impl::guarded;
+
+namespace {
+
+long parse_int(const std::string & key, const std::string & value, long min) {
+    char * end = nullptr;
+    const long v = strtol(value.c_str(), &end, 10);
+    if (value.empty() || *end != '\0') {
+        fail("--spec-type dflash: %s=%s is not an integer", key.c_str(), value.c_str());
+    }
+    if (v < min) {
+        fail("--spec-type dflash: %s must be at least %ld, got %ld", key.c_str(), min, v);
+    }
+    return v;
+}
+
+}  // namespace
+
+int dflash_parse_spec_options(const char * text, dflash_spec_options * options) {
+    return guarded([&]() -> int {
+        const std::string all = text ? text : "";
+        size_t begin = 0;
+        while (begin < all.size()) {
+            size_t end = all.find(',', begin);
+            if (end == std::string::npos) {
+                end = all.size();
+            }
+            const std::string item = all.substr(begin, end - begin);
+            begin = end + 1;
+            if (item.empty()) {
+                continue;
+            }
+            const size_t eq = item.find('=');
+            if (eq == std::string::npos) {
+                fail("--spec-type dflash: '%s' is not key=value", item.c_str());
+            }
+            const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
+            if (key == "n_max") {
+                options->n_max = (int32_t) parse_int(key, value, 1);
+            } else if (key == "n_min") {
+                options->n_min = (int32_t) parse_int(key, value, 0);
+            } else if (key == "p_min") {
+                char * stop = nullptr;
+                const float p = strtof(value.c_str(), &stop);
+                if (value.empty() || *stop != '\0' || p < 0.0f || p > 1.0f) {
+                    fail("--spec-type dflash: p_min must be a number in [0, 1], got '%s'", value.c_str());
+                }
+                options->p_min = p;
+            } else if (key == "cross_ctx" || key == "dflash_cross_ctx") {
+                options->cross_ctx = (int32_t) parse_int(key, value, 1);
+            } else if (key == "full_attention") {
+                options->full_attention = parse_int(key, value, 0) != 0;
+            } else {
+                fail("--spec-type dflash: unknown key '%s' (known: n_max, n_min, p_min, cross_ctx, "
+                     "dflash_cross_ctx, full_attention)", key.c_str());
+            }
+        }
+        return 0;
+    }, -1);
+}

@@ -1,0 +1,169 @@
+"""llama-server with DFlash (--spec-type dflash): the real binary on 127.0.0.1, lossless over
+HTTP, draft statistics in every response, and every bad flag refused with its reason."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+import numpy as np
+import pytest
+
+from ikdflash import Server, ServerError
+from ikdflash.client import post_json
+from gguf_edit import rewrite
+
+PROMPT = "the quick brown fox jumps over the lazy dog, and the cat sat on the mat. " * 3
+SWA = dict(layer_types=["sliding_attention"] * 2 + ["full_attention"], sliding_window=8, block_size=16)
+CTX = 1024
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_model, tiny_draft):
+    out = {}
+    for arch in ("llama", "qwen35moe"):
+        target = tiny_model(arch)
+        out[arch] = (target, tiny_draft(target, target_layer_ids=[0, 2], seed=5, **SWA))
+    return out
+
+
+def dflash_args(draft, spec="dflash:n_max=4"):
+    return ["--model-draft", str(draft), "--spec-type", spec]
+
+
+def stream(url: str, body: dict) -> list[dict]:
+    """POST with stream=true and return the server-sent JSON chunks."""
+    request = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    chunks = []
+    with urllib.request.urlopen(request, timeout=120) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+    return chunks
+
+
+def all_outputs(url: str) -> dict[str, tuple[str, dict | None]]:
+    """The same greedy request over every endpoint: name -> (text, timings)."""
+    completion = {"prompt": PROMPT, "n_predict": 32, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 32, "temperature": 0,
+            "ignore_eos": True}
+    out = {}
+    reply = post_json(url + "/completion", completion)
+    out["completion"] = (reply["content"], reply.get("timings"))
+    chunks = stream(url + "/completion", completion)
+    out["completion-stream"] = ("".join(c.get("content", "") for c in chunks), chunks[-1].get("timings"))
+    reply = post_json(url + "/v1/chat/completions", chat)
+    out["chat"] = (reply["choices"][0]["message"]["content"], reply.get("timings"))
+    chunks = stream(url + "/v1/chat/completions", chat)
+    text = "".join((c["choices"][0].get("delta") or {}).get("content") or "" for c in chunks if c.get("choices"))
+    out["chat-stream"] = (text, chunks[-1].get("timings"))
+    reply = post_json(url + "/v1/completions", {**completion, "max_tokens": 32})
+    out["v1-completions"] = (reply["choices"][0]["text"], reply.get("timings"))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+def test_lossless_on_every_endpoint(pairs, tmp_path, arch):
+    target, draft = pairs[arch]
+    with Server(target, ctx_size=CTX, n_threads=2, log_file=tmp_path / "plain.log") as url:
+        plain = all_outputs(url)
+    log = tmp_path / "dflash.log"
+    with Server(target, ctx_size=CTX, n_threads=2, log_file=log, extra_args=dflash_args(draft)) as url:
+        spec = all_outputs(url)
+    for endpoint, (text, timings) in spec.items():
+        assert text == plain[endpoint][0], endpoint
+        assert len(text) > 0
+        assert timings is not None and timings["draft_n"] > 0, endpoint
+        assert 0 <= timings["draft_n_accepted"] <= timings["draft_n"]
+    assert "dflash: cross_ctx = 1024 (the slot context)" in log.read_text()
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_model, tiny_draft, tmp_path_factory):
+    """A target that always picks token 0 and a draft that always agrees (see test_engine)."""
+    folder = tmp_path_factory.mktemp("oracle")
+    target = rewrite(tiny_model("llama"), folder / "zero-head.gguf", tensors={"output.weight": np.zeros((320, 64))})
+    return target, tiny_draft(target, target_layer_ids=[1], block_size=8, layer_types=["full_attention"])
+
+
+def test_statistics_add_up_and_reach_metrics(oracle, tmp_path):
+    target, draft = oracle
+    with Server(target, ctx_size=512, n_threads=2, log_file=tmp_path / "s.log",
+                extra_args=dflash_args(draft, "dflash:n_max=4,cross_ctx=64") + ["--metrics"]) as url:
+        reply = post_json(url + "/completion", {"prompt": "hello", "n_predict": 21, "temperature": 0,
+                                                "ignore_eos": True})
+        metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    t = reply["timings"]
+    assert t["draft_n"] == t["draft_n_accepted"] == 16  # 4 steps of 4, then one token of the target's own
+    assert "llamacpp:draft_tokens_total 16" in metrics
+    assert "llamacpp:draft_tokens_accepted_total 16" in metrics
+    assert "dflash: cross_ctx = 64, block = 8" in (tmp_path / "s.log").read_text()
+
+
+def test_concurrent_requests_are_queued_and_both_lossless(pairs, tmp_path):
+    target, draft = pairs["qwen35moe"]
+    prompts = [PROMPT, "once upon a time there was a little server that could. " * 3]
+    bodies = [{"prompt": p, "n_predict": 24, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+              for p in prompts]
+    with Server(target, ctx_size=CTX, n_threads=2, log_file=tmp_path / "plain.log") as url:
+        expected = [post_json(url + "/completion", b)["content"] for b in bodies]
+    with Server(target, ctx_size=CTX, n_threads=2, log_file=tmp_path / "spec.log", extra_args=dflash_args(draft)) as url:
+        results: list[dict] = [{}, {}]
+
+        def run(i: int) -> None:
+            results[i] = post_json(url + "/completion", bodies[i])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    assert [r["content"] for r in results] == expected, [r["tokens_predicted"] for r in results]
+    assert all(r["timings"]["draft_n"] > 0 for r in results)
+
+
+def test_parallel_slots_are_refused(pairs, tmp_path):
+    target, draft = pairs["llama"]
+    log = tmp_path / "s.log"
+    with pytest.raises(ServerError, match="exited with code"):
+        Server(target, ctx_size=CTX, log_file=log, extra_args=dflash_args(draft) + ["--parallel", "2"],
+               startup_timeout=60).start()
+    assert "--spec-type dflash serves one sequence at a time: use --parallel 1 (got 2)" in log.read_text()
+
+
+def test_full_attention_switch(pairs, tmp_path):
+    target, draft = pairs["llama"]
+    log = tmp_path / "s.log"
+    with Server(target, ctx_size=CTX, n_threads=2, log_file=log,
+                extra_args=dflash_args(draft, "dflash:n_max=4,full_attention=1")) as url:
+        reply = post_json(url + "/completion", {"prompt": PROMPT, "n_predict": 8, "temperature": 0})
+    assert reply["timings"]["draft_n"] > 0
+    assert "(ignored: full_attention): the window can never engage" in log.read_text()
+
+
+@pytest.mark.parametrize("spec,extra,message", [
+    ("dflash:n_max=4,colour=red", True, "unknown key 'colour'"),
+    ("dflash:cross_ctx=0", True, "cross_ctx must be at least 1, got 0"),
+    ("dflash:n_max=four", True, "n_max=four is not an integer"),
+    ("dflash:n_max=4", False, "--spec-type dflash needs the DFlash draft: pass it with --model-draft"),
+])
+def test_bad_flags_exit_with_their_reason(pairs, tmp_path, spec, extra, message):
+    target, draft = pairs["llama"]
+    args = (["--model-draft", str(draft)] if extra else []) + ["--spec-type", spec]
+    log = tmp_path / "s.log"
+    with pytest.raises(ServerError, match="exited with code"):
+        Server(target, ctx_size=CTX, log_file=log, extra_args=args, startup_timeout=60).start()
+    assert message in log.read_text()
+
+
+def test_mismatched_draft_is_refused(pairs, tmp_path):
+    target, _ = pairs["llama"]
+    _, other_draft = pairs["qwen35moe"]  # same vocabulary and width: only the layer ids are wrong
+    bad = rewrite(other_draft, tmp_path / "bad.gguf", fields={"dflash-draft.dflash.target_layer_ids": [0, 9]})
+    log = tmp_path / "s.log"
+    with pytest.raises(ServerError, match="exited with code"):
+        Server(target, ctx_size=CTX, log_file=log, extra_args=dflash_args(bad), startup_timeout=60).start()
+    assert "target layer id 9 is outside the target's 4 layers" in log.read_text()
