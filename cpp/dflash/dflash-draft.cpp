@@ -350,6 +350,13 @@ void bind_tensors(dflash_draft & d, const llama_model * target) {
     if (d.output == nullptr) {
         d.output = d.tok_embd == target->tok_embd ? target->output : d.tok_embd;
     }
+    // The draft computes on the CPU: what it borrows must be in host memory.
+    for (ggml_tensor * t : {d.tok_embd, d.output}) {
+        if (t->buffer != nullptr && !ggml_backend_buffer_is_host(t->buffer)) {
+            fail("the target's %s is in GPU memory, and the DFlash draft runs on the CPU: keep the target's "
+                 "output layer on the CPU (fewer GPU layers) or convert the draft with its own head", ggml_get_name(t));
+        }
+    }
     if (d.tok_embd->ne[0] != d.n_embd) {
         fail("the target's embedding width %lld differs from the draft's %d; the draft cannot use the target's "
              "token embeddings", (long long) d.tok_embd->ne[0], d.n_embd);
