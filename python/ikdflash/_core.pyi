@@ -1,0 +1,60 @@
+"""Types of the native module (cpp/bindings). Use the wrappers in ikdflash; these are their engine."""
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+
+def set_verbose(verbose: bool) -> None:
+    """Print the fork's log to stderr (off by default)."""
+
+def build_info() -> dict[str, Any]:
+    """version, backends (list), gpu_offload (bool), system (CPU features)."""
+
+def attention_mask(key_positions: list[int], start: int, n_query: int, sliding: bool, causal: bool,
+                   window: int, kv_pad: int = 1) -> npt.NDArray[np.float32]:
+    """The draft's mask rule: rows = queries padded to 16, 0 = visible, -inf = hidden."""
+
+class Model:
+    """A GGUF model and its context. Raises FileNotFoundError / ValueError naming the file."""
+
+    def __init__(self, path: str, n_ctx: int = 512, n_threads: int = 0, n_gpu_layers: int = 0,
+                 n_batch: int = 512) -> None: ...
+    def close(self) -> None: ...
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
+    def detokenize(self, tokens: list[int], render_special: bool = False) -> bytes: ...
+    def generate_greedy(self, prompt: list[int], max_tokens: int, stop_at_eog: bool = True) -> list[int]: ...
+    def meta(self, key: str) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def n_vocab(self) -> int: ...
+    @property
+    def n_embd(self) -> int: ...
+    @property
+    def n_layer(self) -> int: ...
+    @property
+    def n_ctx(self) -> int: ...
+
+class Draft:
+    """A DFlash draft GGUF bound to (and checked against) a target Model."""
+
+    def __init__(self, target: Model, path: str, n_threads: int = 0) -> None: ...
+    def close(self) -> None: ...
+    def info(self) -> dict[str, Any]:
+        """format, n_layer, block_size, mask_token, sliding_window, sliding, causal,
+        target_layer_ids, n_target_features."""
+    def cache_layout(self, cross_ctx: int, full_attention: bool = False) -> dict[str, Any]:
+        """capacity (rows per layer) and bytes of a cross-context, from its allocation."""
+    def forward(self, features: npt.ArrayLike, positions: npt.ArrayLike, first_token: int, start: int,
+                cross_ctx: int = 0, full_attention: bool = False) -> tuple[npt.NDArray[np.float32], list[int]]:
+        """One draft step over these context rows: (logits [block, vocab], argmax of rows 1..)."""
+
+class Engine:
+    """The speculative loop on a target Model (draft None: the target alone)."""
+
+    def __init__(self, target: Model, draft: Draft | None, cross_ctx: int, full_attention: bool = False) -> None: ...
+    def generate(self, prompt: list[int], max_tokens: int, n_max: int, temperature: float = 0.0,
+                 seed: int = 0) -> tuple[list[int], dict[str, Any]]: ...
