@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -70,7 +71,7 @@ class Server:
 
     def command(self) -> list[str]:
         """The exact llama-server command line (port resolved when start() runs)."""
-        cmd = [str(server_binary()), "-m", str(self.model), "-c", str(self.ctx_size),
+        cmd = [str(server_binary()), "-m", str(self.model.resolve()), "-c", str(self.ctx_size),
                "--host", self.host, "--port", str(self.port)]
         if self.n_threads:
             cmd += ["-t", str(self.n_threads)]
@@ -88,10 +89,12 @@ class Server:
             raise ServerError(f"port {self.port} on {self.host} is already in use; pick another or use port 0")
         if self.log_file:
             self._log = open(self.log_file, "wb")
-        # Own process group, so stop() reaches anything the server spawns.
+        # Own process group, so stop() reaches anything the server spawns; run beside its log
+        # (or in the temp folder), as the server also writes a llama.log where it runs.
+        workdir = self.log_file.parent if self.log_file else tempfile.gettempdir()
         self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
                                         stdout=self._log or subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                                        start_new_session=True, cwd=workdir)
         try:
             self._wait_ready()
         except BaseException:
