@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, Callable, Sequence
 
 from ikdflash.fork import server_binary
 
@@ -51,8 +51,9 @@ class Server:
 
     def __init__(self, model: str | os.PathLike[str], *, ctx_size: int = 4096, host: str = "127.0.0.1",
                  port: int = 0, n_threads: int | None = None, extra_args: Sequence[str] = (),
-                 log_file: str | os.PathLike[str] | None = None, startup_timeout: float = 120.0,
-                 stop_grace: float = 10.0) -> None:
+                 log_file: str | os.PathLike[str] | None = None, log_to_stdout: bool = False,
+                 startup_timeout: float = 120.0, stop_grace: float = 10.0,
+                 on_wait: Callable[[float], None] | None = None) -> None:
         self.model = Path(model)
         self.host = host
         self.port = port
@@ -60,6 +61,8 @@ class Server:
         self.n_threads = n_threads
         self.extra_args = list(extra_args)
         self.log_file = Path(log_file) if log_file else None
+        self.log_to_stdout = log_to_stdout  # the server's log goes to our stdout (when no log_file)
+        self.on_wait = on_wait              # called with the seconds waited, while starting
         self.startup_timeout = startup_timeout
         self.stop_grace = stop_grace
         self.process: subprocess.Popen[bytes] | None = None
@@ -92,9 +95,9 @@ class Server:
         # Own process group, so stop() reaches anything the server spawns; run beside its log
         # (or in the temp folder), as the server also writes a llama.log where it runs.
         workdir = self.log_file.parent if self.log_file else tempfile.gettempdir()
-        self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
-                                        stdout=self._log or subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                        start_new_session=True, cwd=workdir)
+        output = self._log or (None if self.log_to_stdout else subprocess.DEVNULL)
+        self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=output,
+                                        stderr=subprocess.STDOUT, start_new_session=True, cwd=workdir)
         try:
             self._wait_ready()
         except BaseException:
@@ -103,8 +106,11 @@ class Server:
         return self.url
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
+        start = time.monotonic()
+        deadline = start + self.startup_timeout
         while time.monotonic() < deadline:
+            if self.on_wait is not None:
+                self.on_wait(time.monotonic() - start)
             code = self.process.poll()
             if code is not None:
                 raise ServerError(f"llama-server exited with code {code} during start-up{self._log_hint()}")

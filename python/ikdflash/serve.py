@@ -1,0 +1,112 @@
+"""Start the packaged llama-server with a target and its DFlash draft, and supervise it.
+
+    ikdflash serve --target T.gguf --draft D.gguf                      # n_max 4, cross_ctx = -c
+    ikdflash serve --target T.gguf --draft D.gguf -c 8192 --cross-ctx 8192 --port 8080
+    ikdflash serve --target T.gguf --draft D.gguf --dry-run            # print the command only
+    ikdflash serve --target T.gguf --draft D.gguf -- --metrics -fa on  # more llama-server flags
+
+Before starting it checks that both files are GGUFs and that the draft matches the target, and
+warns when the draft's sliding window can never engage. It prints the exact command, waits for
+/health, streams the server's log (or writes it to --log-file), forwards Ctrl-C and SIGTERM,
+and never leaves the server behind. Exit codes: 0 after a requested stop, 1 if the server
+failed, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+
+from ikdflash.pair import check_pair
+from ikdflash.server import Server, ServerError, free_port
+from ikdflash.spectype import SpecType, SpecTypeError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, type=Path, help="target model GGUF")
+    parser.add_argument("--draft", required=True, type=Path, help="DFlash draft GGUF")
+    parser.add_argument("--n-max", type=int, default=4, help="draft tokens per step (default 4)")
+    parser.add_argument("--cross-ctx", type=int, help="context rows the draft keeps (default: the context size)")
+    parser.add_argument("--full-attention", action="store_true", help="ignore the draft's sliding windows")
+    parser.add_argument("-c", "--ctx-size", type=int, default=8192, help="context size (default 8192)")
+    parser.add_argument("--gpu-layers", type=int, help="target layers on the GPU (llama-server -ngl)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080, help="port, or 0 for a free one (default 8080)")
+    parser.add_argument("--log-file", type=Path, help="write the server's log here instead of stdout")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    parser.add_argument("--dry-run", action="store_true", help="print the llama-server command and exit")
+    parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more llama-server arguments")
+
+
+def say(message: str) -> None:
+    print(f"ikdflash serve: {message}", file=sys.stderr, flush=True)
+
+
+def build_server(args: argparse.Namespace) -> Server:
+    spec = SpecType(n_max=args.n_max, cross_ctx=args.cross_ctx, full_attention=args.full_attention)
+    extra = ["--model-draft", str(args.draft.resolve()), "--spec-type", spec.flag()]
+    if args.gpu_layers is not None:
+        extra += ["-ngl", str(args.gpu_layers)]
+    extra += [a for a in args.extra if a != "--"]
+    last_report = [0.0]
+
+    def progress(waited: float) -> None:
+        if waited - last_report[0] >= 5.0:
+            last_report[0] = waited
+            say(f"waiting for llama-server to load the models ({waited:.0f}s)")
+
+    return Server(args.target, ctx_size=args.ctx_size, host=args.host, port=args.port, extra_args=extra,
+                  log_file=args.log_file, log_to_stdout=args.log_file is None,
+                  startup_timeout=args.startup_timeout, on_wait=progress)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.ctx_size < 1:
+        say(f"error: --ctx-size must be at least 1, got {args.ctx_size}")
+        return 2
+    try:
+        server = build_server(args)
+        report = check_pair(args.target, args.draft, cross_ctx=args.cross_ctx, ctx_size=args.ctx_size)
+    except (SpecTypeError, FileNotFoundError, ValueError) as e:
+        say(f"error: {e}")
+        return 2
+    for problem in report.problems:
+        say(f"error: {problem}")
+    if report.problems:
+        return 2
+    for warning in report.warnings:
+        say(f"warning: {warning}")
+    if args.dry_run:
+        print(shlex.join(server.command()))
+        return 0
+
+    stop_requested = []
+
+    def request_stop(signum: int, _frame: object) -> None:
+        stop_requested.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, request_stop)
+    if server.port == 0:
+        server.port = free_port(server.host)
+    say(f"command: {shlex.join(server.command())}")
+    try:
+        try:
+            url = server.start()
+        except ServerError as e:
+            say(f"error: {e}")
+            return 1
+        say(f"ready at {url} (Ctrl-C to stop)")
+        while server.process.poll() is None:
+            time.sleep(0.2)
+        say(f"error: llama-server exited with code {server.process.returncode}")
+        return 1
+    except KeyboardInterrupt:
+        say("stopping llama-server")
+        return 0
+    finally:
+        server.stop()

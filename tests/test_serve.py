@@ -1,0 +1,154 @@
+"""`ikdflash serve`: the real llama-server started, used, stopped with SIGTERM and reaped;
+every refusal with its message; the --spec-type grammar shared with the fork."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ikdflash.client import post_json
+from ikdflash.spectype import SpecType, SpecTypeError
+from gguf_edit import rewrite
+
+SWA = dict(layer_types=["sliding_attention"] * 2 + ["full_attention"], sliding_window=8, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model, tiny_draft):
+    target = tiny_model("llama")
+    return target, tiny_draft(target, target_layer_ids=[0, 2], seed=5, **SWA)
+
+
+def serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ikdflash.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_end_to_end_and_sigterm_leaves_no_orphan(pair, tmp_path):
+    target, draft = pair
+    proc = subprocess.Popen([sys.executable, "-m", "ikdflash.cli", "serve", "--target", str(target), "--draft",
+                             str(draft), "-c", "1024", "--port", "0", "--log-file", str(tmp_path / "server.log")],
+                            stderr=subprocess.PIPE, text=True)
+    url = None
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "ready at " in line:
+            url = line.split("ready at ")[1].split()[0]
+            break
+    assert url, "".join(lines)
+    assert any("command: " in l and "--spec-type dflash:n_max=4" in l for l in lines)
+    reply = post_json(url + "/completion", {"prompt": "the cat sat on the mat", "n_predict": 16, "temperature": 0})
+    assert reply["timings"]["draft_n"] > 0
+    servers = children(proc.pid)
+    assert servers
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    proc.stderr.close()
+    time.sleep(0.2)
+    for pid in servers:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_dry_run_prints_the_command(pair):
+    target, draft = pair
+    out = serve("--target", str(target), "--draft", str(draft), "--n-max", "6", "--cross-ctx", "512", "-c", "2048",
+                "--gpu-layers", "99", "--dry-run", "--", "--metrics")
+    assert out.returncode == 0, out.stderr
+    assert "--spec-type dflash:n_max=6,cross_ctx=512" in out.stdout
+    assert "-c 2048" in out.stdout and "-ngl 99" in out.stdout and out.stdout.strip().endswith("--metrics")
+
+
+def test_warns_when_the_window_cannot_engage(tiny_model, tiny_draft):
+    target = tiny_model("llama")
+    draft = tiny_draft(target, target_layer_ids=[0, 2], layer_types=["sliding_attention", "full_attention"],
+                       sliding_window=64, block_size=16)
+    out = serve("--target", str(target), "--draft", str(draft), "--cross-ctx", "32", "--dry-run")
+    assert out.returncode == 0
+    assert "warning: cross_ctx 32 <= window 64 - block 16: the sliding window can never engage" in out.stderr
+
+
+def test_port_in_use(pair):
+    target, draft = pair
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = serve("--target", str(target), "--draft", str(draft), "-c", "1024", "--port", str(port))
+    assert out.returncode == 1
+    assert f"port {port} on 127.0.0.1 is already in use" in out.stderr
+
+
+def test_server_dying_on_start(pair, tmp_path):
+    target, draft = pair
+    out = serve("--target", str(target), "--draft", str(draft), "-c", "1024", "--port", "0",
+                "--log-file", str(tmp_path / "s.log"), "--", "--no-such-flag")
+    assert out.returncode == 1
+    assert "exited with code" in out.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--n-max", "0"], "n_max must be at least 1, got 0"),
+    (["--cross-ctx", "0"], "cross_ctx must be at least 1, got 0"),
+    (["-c", "0"], "--ctx-size must be at least 1, got 0"),
+])
+def test_bad_values(pair, args, message):
+    target, draft = pair
+    out = serve("--target", str(target), "--draft", str(draft), *args)
+    assert out.returncode == 2 and message in out.stderr
+
+
+def test_missing_and_wrong_files(pair, tmp_path):
+    target, draft = pair
+    out = serve("--target", str(tmp_path / "none.gguf"), "--draft", str(draft))
+    assert out.returncode == 2 and "target" in out.stderr and "file not found" in out.stderr
+    (tmp_path / "junk.gguf").write_bytes(b"not a model")
+    out = serve("--target", str(target), "--draft", str(tmp_path / "junk.gguf"))
+    assert out.returncode == 2 and "not a GGUF file" in out.stderr
+    out = serve("--target", str(draft), "--draft", str(target))
+    assert out.returncode == 2 and "is not a DFlash draft" in out.stderr
+
+
+def test_mismatched_pair(pair, tmp_path):
+    target, draft = pair
+    bad = rewrite(draft, tmp_path / "bad.gguf", fields={"dflash-draft.dflash.target_layer_ids": [0, 3]})
+    out = serve("--target", str(target), "--draft", str(bad), "--dry-run")
+    assert out.returncode == 2
+    assert "target layer id 3 is the target's last layer" in out.stderr
+
+
+def test_spec_type_grammar_round_trip():
+    spec = SpecType(n_max=4, cross_ctx=8192)
+    assert spec.flag() == "dflash:n_max=4,cross_ctx=8192"
+    assert SpecType.parse(spec.flag()) == spec
+    assert SpecType.parse("dflash:dflash_cross_ctx=64,full_attention=1") == SpecType(cross_ctx=64, full_attention=True)
+    assert SpecType().flag() == "dflash"
+    with pytest.raises(SpecTypeError, match="unknown key 'colour'"):
+        SpecType.parse("dflash:colour=red")
+    with pytest.raises(SpecTypeError, match="p_min must be a number in"):
+        SpecType(p_min=2.0)
+
+
+def test_doctor_checks_a_pair(pair, tmp_path):
+    target, draft = pair
+    ok = subprocess.run(["ikdflash", "doctor", "--target", str(target), "--draft", str(draft)],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout
+    assert "pair            dflash-draft draft, block 16, window 8 on 2 layers, target layers [0, 2] of 4" in ok.stdout
+    bad = rewrite(draft, tmp_path / "bad.gguf", fields={"dflash-draft.dflash.mask_token_id": 9999})
+    out = subprocess.run(["ikdflash", "doctor", "--target", str(target), "--draft", str(bad)],
+                         capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "problem: pair: mask token 9999 is outside the vocabulary (320 tokens)" in out.stdout
