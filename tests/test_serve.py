@@ -152,3 +152,23 @@ def test_doctor_checks_a_pair(pair, tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 1
     assert "problem: pair: mask token 9999 is outside the vocabulary (320 tokens)" in out.stdout
+
+
+def test_bench_writes_a_complete_table(pair, tmp_path):
+    import csv
+    import json
+    target, draft = pair
+    out = subprocess.run(["ikdflash", "bench", "--target", str(target), "--draft", str(draft), "--lengths", "16", "64",
+                          "--max-tokens", "24", "--csv", str(tmp_path / "b.csv"), "--json", str(tmp_path / "b.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "window 8" in out.stdout and "speed-up" in out.stdout
+    with open(tmp_path / "b.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["length"]) for r in rows] == [16, 64]
+    assert float(rows[1]["clip"]) == pytest.approx((64 - 8) / 64)
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["window"] == 8 and len(data["rows"]) == 2
+    for r in data["rows"]:
+        assert 0.0 <= r["sliding_acceptance"] <= 1.0 and r["no_draft_tps"] > 0 and r["sliding_tau"] >= 1.0
+    assert "6/6" in out.stderr  # the progress bar reached the end
