@@ -172,3 +172,56 @@ def test_bench_writes_a_complete_table(pair, tmp_path):
     for r in data["rows"]:
         assert 0.0 <= r["sliding_acceptance"] <= 1.0 and r["no_draft_tps"] > 0 and r["sliding_tau"] >= 1.0
     assert "6/6" in out.stderr  # the progress bar reached the end
+
+
+@pytest.fixture
+def hub_cache(pair, tmp_path, monkeypatch):
+    """A Hugging Face cache prepared on disk (layout: models--owner--repo/{refs,snapshots}), with
+    the hub offline: what a machine without network sees after an earlier download."""
+    import json
+    import shutil
+    target, draft = pair
+    cache = tmp_path / "hub"
+    for repo, files in {"tiny/target-GGUF": {"target-F32.gguf": target, "target-Q8_0.gguf": target},
+                        "tiny/draft": {"draft-SWA-F32.gguf": draft}}.items():
+        folder = cache / ("models--" + repo.replace("/", "--"))
+        commit = "0123456789abcdef0123456789abcdef01234567"
+        (folder / "refs").mkdir(parents=True)
+        (folder / "refs" / "main").write_text(commit)
+        snapshot = folder / "snapshots" / commit
+        snapshot.mkdir(parents=True)
+        for name, source in files.items():
+            shutil.copyfile(source, snapshot / name)
+    registry = tmp_path / "registry.json"
+    registry.write_text(json.dumps({"tiny-pair": {"target": "tiny/target-GGUF:F32",
+                                                  "draft": "tiny/draft/draft-SWA-F32.gguf"}}))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("IKDFLASH_REGISTRY", str(registry))
+    return cache
+
+
+def test_download_from_the_cache_offline(hub_cache):
+    out = subprocess.run(["ikdflash", "download", "tiny/target-GGUF:Q8_0", "tiny/draft/draft-SWA-F32.gguf",
+                          "tiny-pair"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
+    assert lines["tiny/target-GGUF:Q8_0"].endswith("target-Q8_0.gguf")
+    assert lines["tiny-pair target"].endswith("target-F32.gguf")
+    assert lines["tiny-pair draft"].endswith("draft-SWA-F32.gguf")
+    assert all(os.path.isfile(p) for p in lines.values())
+
+
+def test_download_errors_offline(hub_cache):
+    out = subprocess.run(["ikdflash", "download", "tiny/draft/missing.gguf"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "not in the local Hugging Face cache, and offline" in out.stderr
+    out = subprocess.run(["ikdflash", "download", "no-such-pair"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "known pairs: tiny-pair" in out.stderr
+
+
+def test_serve_takes_hub_references(hub_cache):
+    out = serve("--target", "tiny/target-GGUF:F32", "--draft", "tiny/draft/draft-SWA-F32.gguf", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert str(hub_cache) in out.stdout and "draft-SWA-F32.gguf" in out.stdout

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ikdflash import __version__, bench, convert, doctor, serve
+from ikdflash import __version__, bench, convert, doctor, download, serve
 
-SUBCOMMANDS = {"bench": bench, "convert": convert, "doctor": doctor, "serve": serve}
+SUBCOMMANDS = {"bench": bench, "convert": convert, "doctor": doctor, "download": download, "serve": serve}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,7 @@
     ikdflash serve --target T.gguf --draft D.gguf                      # n_max 4, cross_ctx = -c
     ikdflash serve --target T.gguf --draft D.gguf -c 8192 --cross-ctx 8192 --port 8080
     ikdflash serve --target T.gguf --draft D.gguf --dry-run            # print the command only
+    ikdflash serve --target owner/repo:Q4_K_M --draft owner/repo/draft.gguf   # hub references
     ikdflash serve --target T.gguf --draft D.gguf -- --metrics -fa on  # more llama-server flags
 
 Before starting it checks that both files are GGUFs and that the draft matches the target, and
@@ -21,14 +22,15 @@ import sys
 import time
 from pathlib import Path
 
+from ikdflash.hub import HubError, resolve
 from ikdflash.pair import check_pair
 from ikdflash.server import Server, ServerError, free_port
 from ikdflash.spectype import SpecType, SpecTypeError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, type=Path, help="target model GGUF")
-    parser.add_argument("--draft", required=True, type=Path, help="DFlash draft GGUF")
+    parser.add_argument("--target", required=True, help="target GGUF: a path or a hub reference (see download)")
+    parser.add_argument("--draft", required=True, help="DFlash draft GGUF: a path or a hub reference")
     parser.add_argument("--n-max", type=int, default=4, help="draft tokens per step (default 4)")
     parser.add_argument("--cross-ctx", type=int, help="context rows the draft keeps (default: the context size)")
     parser.add_argument("--full-attention", action="store_true", help="ignore the draft's sliding windows")
@@ -69,9 +71,10 @@ def run(args: argparse.Namespace) -> int:
         say(f"error: --ctx-size must be at least 1, got {args.ctx_size}")
         return 2
     try:
+        args.target, args.draft = resolve(args.target, role="target"), resolve(args.draft, role="draft")
         server = build_server(args)
         report = check_pair(args.target, args.draft, cross_ctx=args.cross_ctx, ctx_size=args.ctx_size)
-    except (SpecTypeError, FileNotFoundError, ValueError) as e:
+    except (SpecTypeError, HubError, FileNotFoundError, ValueError) as e:
         say(f"error: {e}")
         return 2
     for problem in report.problems:

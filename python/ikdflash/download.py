@@ -1,0 +1,36 @@
+"""Fetch target and draft GGUFs from the Hugging Face hub into its cache, and print their paths.
+
+    ikdflash download owner/repo:Q4_K_M                   # the Q4_K_M GGUF of a repository
+    ikdflash download owner/repo/draft-Q8_0.gguf@v1.0     # one file, at a pinned revision
+    ikdflash download NAME                                # both files of a known pair
+    HF_HUB_OFFLINE=1 ikdflash download ...                # from the cache only
+
+References are described in ikdflash.hub; `ikdflash serve` accepts the same ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ikdflash.hub import HubError, known_pairs, resolve, resolve_pair
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("refs", nargs="+", metavar="REF", help="owner/repo:QUANT, owner/repo/file.gguf, or a pair name")
+    parser.add_argument("--offline", action="store_true", help="use the local cache only")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        for ref in args.refs:
+            if ref in known_pairs():
+                target, draft = resolve_pair(ref, offline=args.offline)
+                print(f"{ref} target: {target}")
+                print(f"{ref} draft: {draft}")
+            else:
+                print(f"{ref}: {resolve(ref, offline=args.offline)}")
+    except HubError as e:
+        print(f"ikdflash download: error: {e}", file=sys.stderr)
+        return 2
+    return 0

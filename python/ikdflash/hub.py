@@ -1,0 +1,117 @@
+"""Model references: a local file, a file or a quant in a Hugging Face repository, or a named
+target/draft pair. `ikdflash download` and `ikdflash serve` both take them.
+
+    path/to/model.gguf                       a local file
+    owner/repo/dir/file.gguf[@revision]      one file of a repository
+    owner/repo:Q4_K_M[@revision]             the GGUF of that quant in a repository (first shard)
+    NAME                                     a known pair (IKDFLASH_REGISTRY: a JSON file of
+                                             {"NAME": {"target": REF, "draft": REF}})
+
+Downloads go to the Hugging Face cache (HF_HUB_CACHE, with progress bars); HF_TOKEN is used when
+set; HF_HUB_OFFLINE=1 (or offline=True) uses the cache only and says which file is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# Pairs verified to fit together. Empty until a draft repository can be checked from here;
+# add your own with IKDFLASH_REGISTRY.
+BUILTIN_PAIRS: dict[str, dict[str, str]] = {}
+
+
+class HubError(ValueError):
+    """A reference that cannot be resolved; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class HubRef:
+    repo: str
+    filename: str | None = None
+    quant: str | None = None
+    revision: str | None = None
+
+    def __str__(self) -> str:
+        base = f"{self.repo}/{self.filename}" if self.filename else f"{self.repo}:{self.quant}"
+        return base + (f"@{self.revision}" if self.revision else "")
+
+
+_REPO = r"[\w.-]+/[\w.-]+"
+
+
+def parse_ref(text: str, role: str = "model") -> Path | HubRef:
+    if os.path.exists(text):
+        return Path(text)
+    body, _, revision = text.partition("@")
+    revision = revision or None
+    if m := re.fullmatch(rf"({_REPO}):([\w.-]+)", body):
+        return HubRef(m.group(1), quant=m.group(2), revision=revision)
+    if m := re.fullmatch(rf"({_REPO})/(.+\.gguf)", body):
+        return HubRef(m.group(1), filename=m.group(2), revision=revision)
+    if text.endswith(".gguf") or "/" in text or os.sep in text:
+        raise HubError(f"{role} {text}: file not found, and not a hub reference "
+                       "(owner/repo/file.gguf or owner/repo:QUANT)")
+    raise HubError(f"{role} {text}: not a file, a hub reference or a known pair ({known_pairs_text()})")
+
+
+def known_pairs() -> dict[str, dict[str, str]]:
+    pairs = dict(BUILTIN_PAIRS)
+    registry = os.environ.get("IKDFLASH_REGISTRY")
+    if registry:
+        try:
+            pairs.update(json.loads(Path(registry).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise HubError(f"IKDFLASH_REGISTRY={registry}: cannot read it: {e}") from None
+    return pairs
+
+
+def known_pairs_text() -> str:
+    names = sorted(known_pairs())
+    return "known pairs: " + ", ".join(names) if names else "no known pairs; add some with IKDFLASH_REGISTRY"
+
+
+def fetch(ref: HubRef, *, offline: bool = False) -> Path:
+    """The local path of a hub reference, downloading it into the cache unless offline."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.errors import (EntryNotFoundError, LocalEntryNotFoundError, OfflineModeIsEnabled,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    offline = offline or os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
+    try:
+        if ref.filename:
+            return Path(hf_hub_download(ref.repo, ref.filename, revision=ref.revision, local_files_only=offline))
+        patterns = [f"*{ref.quant}*.gguf", f"*{ref.quant.lower()}*.gguf", f"*{ref.quant.upper()}*.gguf"]
+        folder = Path(snapshot_download(ref.repo, revision=ref.revision, allow_patterns=patterns,
+                                        local_files_only=offline))
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        raise HubError(f"{ref}: not in the local Hugging Face cache, and offline; fetch it once with network "
+                       f"(ikdflash download {ref})") from None
+    except RepositoryNotFoundError:
+        raise HubError(f"{ref}: repository not found (private? set HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise HubError(f"{ref}: revision {ref.revision} not found") from None
+    except EntryNotFoundError:
+        raise HubError(f"{ref}: no such file in {ref.repo}") from None
+    matches = sorted(p for p in folder.rglob("*.gguf") if ref.quant.lower() in p.name.lower())
+    if not matches:
+        raise HubError(f"{ref}: no GGUF for quant {ref.quant} in {ref.repo}")
+    first_shards = [p for p in matches if "-00001-of-" in p.name]
+    return (first_shards or matches)[0]
+
+
+def resolve(text: str, *, role: str = "model", offline: bool = False) -> Path:
+    """A local path for a file or hub reference (not a pair name)."""
+    ref = parse_ref(text, role)
+    return ref if isinstance(ref, Path) else fetch(ref, offline=offline)
+
+
+def resolve_pair(name: str, *, offline: bool = False) -> tuple[Path, Path]:
+    pairs = known_pairs()
+    if name not in pairs:
+        raise HubError(f"unknown pair '{name}' ({known_pairs_text()})")
+    return (resolve(pairs[name]["target"], role="target", offline=offline),
+            resolve(pairs[name]["draft"], role="draft", offline=offline))
