@@ -1,6 +1,5 @@
 """Loading targets in the fork, the tokenizer, greedy generation, and the errors bad files get."""
 
-from pathlib import Path
 
 import pytest
 

@@ -48,7 +48,7 @@ def test_end_to_end_and_sigterm_leaves_no_orphan(pair, tmp_path):
             url = line.split("ready at ")[1].split()[0]
             break
     assert url, "".join(lines)
-    assert any("command: " in l and "--spec-type dflash:n_max=4" in l for l in lines)
+    assert any("command: " in line and "--spec-type dflash:n_max=4" in line for line in lines)
     reply = post_json(url + "/completion", {"prompt": "the cat sat on the mat", "n_predict": 16, "temperature": 0})
     assert reply["timings"]["draft_n"] > 0
     servers = children(proc.pid)

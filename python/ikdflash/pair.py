@@ -81,7 +81,7 @@ def check_pair(target: str | os.PathLike[str], draft: str | os.PathLike[str], *,
         report.problems.append(f"vocabulary: the draft has {len(d_tokens)} tokens, the target {len(t_tokens)}: "
                                "the draft was made for another target")
     else:
-        differing = next((i for i, (a, b) in enumerate(zip(d_tokens, t_tokens)) if a != b), None)
+        differing = next((i for i, (a, b) in enumerate(zip(d_tokens, t_tokens, strict=True)) if a != b), None)
         if differing is not None:
             report.problems.append(f"vocabulary: token {differing} is '{d_tokens[differing]}' in the draft but "
                                    f"'{t_tokens[differing]}' in the target")
