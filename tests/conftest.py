@@ -7,9 +7,13 @@ from typing import Callable
 
 import pytest
 
+import gguf
+import numpy as np
+
 from ikdflash.convert import convert
 from ikdflash.tinydraft import write_hf_target, write_tiny_draft
 from ikdflash.tinymodels import write_tiny_model
+from gguf_edit import rewrite
 
 TARGET_ARCHS = ("llama", "qwen3", "qwen35moe")
 
@@ -45,3 +49,29 @@ def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def oracle_pair(tiny_model, tiny_draft, tmp_path_factory):
+    """A target whose head is all zeros, so it always picks token 0, and two drafts borrowing
+    heads: one that agrees (the same zero head) and one that never proposes token 0."""
+    folder = tmp_path_factory.mktemp("oracle")
+    base = tiny_model("llama")
+    n_vocab = len(gguf.GGUFReader(base).fields["tokenizer.ggml.tokens"].contents())
+    n_embd = 64
+    target = rewrite(base, folder / "zero-head.gguf", tensors={"output.weight": np.zeros((n_vocab, n_embd))})
+    right = tiny_draft(target, target_layer_ids=[1], block_size=8, layer_types=["full_attention"])
+    # a head with rows u and -u for tokens 1 and 2: one of them is positive, token 0 stays at 0
+    u = np.random.default_rng(0).standard_normal(n_embd)
+    head = np.zeros((n_vocab, n_embd))
+    head[1], head[2] = u, -u
+    wrong = rewrite(right, folder / "wrong.gguf", tensors={
+        "token_embd.weight": _tensor(target, "token_embd.weight"), "output.weight": head})
+    return target, right, wrong
+
+
+def _tensor(path: Path, name: str) -> np.ndarray:
+    for t in gguf.GGUFReader(path).tensors:
+        if t.name == name:
+            return np.array(t.data, dtype=np.float32)
+    raise KeyError(name)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from ikdflash import Engine
 from conftest import TARGET_ARCHS
-from gguf_edit import rewrite
 
 WINDOW = 8
 SWA = dict(layer_types=["sliding_attention"] * 2 + ["full_attention"], sliding_window=WINDOW, block_size=16)
@@ -51,34 +49,6 @@ def test_plain_generation_equals_the_model(pairs):
         expected = model.generate(PROMPT, max_tokens=30, stop_at_eog=False).tokens
     with Engine(target, draft, n_ctx=512, n_batch=16) as engine:
         assert engine.generate(PROMPT, max_tokens=30).tokens == expected
-
-
-@pytest.fixture(scope="module")
-def oracle_pair(tiny_model, tiny_draft, tmp_path_factory):
-    """A target whose head is all zeros, so it always picks token 0, and two drafts borrowing
-    heads: one that agrees (the same zero head) and one that never proposes token 0."""
-    import gguf
-    folder = tmp_path_factory.mktemp("oracle")
-    base = tiny_model("llama")
-    n_vocab = len(gguf.GGUFReader(base).fields["tokenizer.ggml.tokens"].contents())
-    n_embd = 64
-    target = rewrite(base, folder / "zero-head.gguf", tensors={"output.weight": np.zeros((n_vocab, n_embd))})
-    right = tiny_draft(target, target_layer_ids=[1], block_size=8, layer_types=["full_attention"])
-    # a head with rows u and -u for tokens 1 and 2: one of them is positive, token 0 stays at 0
-    u = np.random.default_rng(0).standard_normal(n_embd)
-    head = np.zeros((n_vocab, n_embd))
-    head[1], head[2] = u, -u
-    wrong = rewrite(right, folder / "wrong.gguf", tensors={
-        "token_embd.weight": _tensor(target, "token_embd.weight"), "output.weight": head})
-    return target, right, wrong
-
-
-def _tensor(path, name):
-    import gguf
-    for t in gguf.GGUFReader(path).tensors:
-        if t.name == name:
-            return np.array(t.data, dtype=np.float32)
-    raise KeyError(name)
 
 
 @pytest.mark.parametrize("n_max", [1, 4, 7])

@@ -7,7 +7,6 @@ import json
 import threading
 import urllib.request
 
-import numpy as np
 import pytest
 
 from ikdflash import Server, ServerError
@@ -81,16 +80,9 @@ def test_lossless_on_every_endpoint(pairs, tmp_path, arch):
     assert "dflash: cross_ctx = 1024 (the slot context)" in log.read_text()
 
 
-@pytest.fixture(scope="module")
-def oracle(tiny_model, tiny_draft, tmp_path_factory):
-    """A target that always picks token 0 and a draft that always agrees (see test_engine)."""
-    folder = tmp_path_factory.mktemp("oracle")
-    target = rewrite(tiny_model("llama"), folder / "zero-head.gguf", tensors={"output.weight": np.zeros((320, 64))})
-    return target, tiny_draft(target, target_layer_ids=[1], block_size=8, layer_types=["full_attention"])
-
-
-def test_statistics_add_up_and_reach_metrics(oracle, tmp_path):
-    target, draft = oracle
+def test_statistics_add_up_and_reach_metrics(oracle_pair, tmp_path):
+    """A target that always picks token 0 and a draft that always agrees (conftest.oracle_pair)."""
+    target, draft, _ = oracle_pair
     with Server(target, ctx_size=512, n_threads=2, log_file=tmp_path / "s.log",
                 extra_args=dflash_args(draft, "dflash:n_max=4,cross_ctx=64") + ["--metrics"]) as url:
         reply = post_json(url + "/completion", {"prompt": "hello", "n_predict": 21, "temperature": 0,
