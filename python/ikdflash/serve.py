@@ -87,11 +87,8 @@ def run(args: argparse.Namespace) -> int:
         print(shlex.join(server.command()))
         return 0
 
-    stop_requested = []
-
-    def request_stop(signum: int, _frame: object) -> None:
-        stop_requested.append(signum)
-        raise KeyboardInterrupt
+    def request_stop(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops the server the way Ctrl-C does
 
     signal.signal(signal.SIGTERM, request_stop)
     if server.port == 0:
