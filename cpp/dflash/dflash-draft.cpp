@@ -544,7 +544,6 @@ void append_rows(dflash_draft & d, dflash_cache & c, const float * features, con
             cl.slot_pos[(u.slot + i) % cl.capacity] = pos[u.first + i];
         }
     }
-    c.last_pos = pos[n - 1];
 }
 
 void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t start, float * logits_out,
