@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ikdflash import Engine
+from ikdflash import Engine, build_info
 from conftest import TARGET_ARCHS
 
 WINDOW = 8
@@ -115,6 +115,26 @@ def test_context_limit_and_max_tokens(pairs):
         assert out.tokens == engine.generate(prompt, max_tokens=500).tokens
         assert len(engine.speculate(prompt, max_tokens=3, n_max=4).tokens) == 3
         assert engine.speculate(prompt, max_tokens=0, n_max=4).tokens == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+def test_the_draft_runs_where_the_target_keeps_its_head(pairs, arch):
+    """n_gpu_layers_draft -1 follows the target's output layer, 0 is the CPU, > 0 a GPU. A build
+    without GPU backends runs everything on the CPU (as llama.cpp ignores -ngl there); on a GPU
+    build the same cases place the draft on CUDA0 and still reproduce plain decoding."""
+    target, draft = pairs[arch]
+    gpu = "CUDA0" if build_info()["gpu_offload"] else "CPU"
+    cases = [(0, -1, "CPU"), (0, 0, "CPU"), (99, -1, gpu), (0, 1, gpu)]
+    for n_gpu_layers, n_gpu_layers_draft, expected in cases:
+        with Engine(target, draft, n_ctx=256, n_batch=16, n_gpu_layers=n_gpu_layers,
+                    n_gpu_layers_draft=n_gpu_layers_draft) as engine:
+            assert engine.draft_device == expected, (n_gpu_layers, n_gpu_layers_draft)
+            plain = engine.generate(PROMPT, max_tokens=24)
+            assert engine.speculate(PROMPT, max_tokens=24, n_max=4).tokens == plain.tokens
+    if gpu != "CPU":
+        # the target's head in GPU memory, the draft told to stay on the CPU: refused, with the way out
+        with pytest.raises(ValueError, match="output.weight is in CUDA0 memory, but the draft runs on CPU"):
+            Engine(target, draft, n_ctx=256, n_gpu_layers=99, n_gpu_layers_draft=0)
 
 
 def test_bad_arguments(pairs):

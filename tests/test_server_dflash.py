@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from ikdflash import Server, ServerError
+from ikdflash import Server, ServerError, build_info
 from ikdflash.client import post_json
 from gguf_edit import rewrite
 
@@ -78,6 +78,25 @@ def test_lossless_on_every_endpoint(pairs, tmp_path, arch):
         assert timings is not None and timings["draft_n"] > 0, endpoint
         assert 0 <= timings["draft_n_accepted"] <= timings["draft_n"]
     assert "dflash: cross_ctx = 1024 (the slot context)" in log.read_text()
+
+
+def test_the_draft_is_placed_like_the_target(pairs, tmp_path):
+    """With -ngl 99 the draft follows the target's output layer: onto CUDA0 on a GPU build, the CPU
+    otherwise (where -ngl is ignored); -ngld 0 keeps it on the CPU on either."""
+    target, draft = pairs["qwen35moe"]
+    request = {"prompt": PROMPT, "n_predict": 24, "temperature": 0, "ignore_eos": True}
+    with Server(target, ctx_size=CTX, n_threads=2, extra_args=["-ngl", "99"]) as url:
+        plain = post_json(url + "/completion", request)["content"]
+    follow = "CUDA0" if build_info()["gpu_offload"] else "CPU"
+    for ngld, expected in (("-1", follow), ("0", "CPU")):
+        log = tmp_path / f"ngld{ngld}.log"
+        args = dflash_args(draft) + ["-ngl", "99" if ngld == "-1" else "0", "-ngld", ngld]
+        with Server(target, ctx_size=CTX, n_threads=2, log_file=log, extra_args=args) as url:
+            reply = post_json(url + "/completion", request)
+        assert f"dflash: the draft runs on {expected}" in log.read_text()
+        assert reply["timings"]["draft_n"] > 0
+        if ngld == "-1":
+            assert reply["content"] == plain
 
 
 def test_statistics_add_up_and_reach_metrics(oracle_pair, tmp_path):

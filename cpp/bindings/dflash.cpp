@@ -15,10 +15,14 @@ namespace {
 
 class Draft {
 public:
-    Draft(Model & target, const std::string & path, int n_threads) : path_(path), n_vocab_(target.n_vocab()) {
+    Draft(Model & target, const std::string & path, int n_threads, int n_gpu_layers)
+        : path_(path), n_vocab_(target.n_vocab()) {
+        dflash_draft_params params = dflash_draft_default_params();
+        params.n_threads = n_threads > 0 ? n_threads : default_threads();
+        params.n_gpu_layers = n_gpu_layers;
         {
             py::gil_scoped_release release;
-            draft_ = dflash_draft_load(path.c_str(), target.raw_model(), n_threads > 0 ? n_threads : default_threads());
+            draft_ = dflash_draft_load(path.c_str(), target.raw_model(), params);
         }
         if (draft_ == nullptr) {
             const std::string reason = dflash_last_error();
@@ -77,6 +81,7 @@ public:
         open();
         py::dict out;
         out["format"] = dflash_draft_format(draft_);
+        out["device"] = dflash_draft_device(draft_);
         out["n_layer"] = dflash_draft_n_layer(draft_);
         out["block_size"] = dflash_draft_block_size(draft_);
         out["mask_token"] = dflash_draft_mask_token(draft_);
@@ -201,7 +206,8 @@ py::array_t<float> attention_mask(std::vector<int32_t> key_positions, int start,
 
 void bind_dflash(py::module_ & m) {
     py::class_<Draft>(m, "Draft")
-        .def(py::init<Model &, const std::string &, int>(), py::arg("target"), py::arg("path"), py::arg("n_threads") = 0, py::keep_alive<1, 2>())
+        .def(py::init<Model &, const std::string &, int, int>(), py::arg("target"), py::arg("path"),
+             py::arg("n_threads") = 0, py::arg("n_gpu_layers") = -1, py::keep_alive<1, 2>())
         .def("close", &Draft::close)
         .def("info", &Draft::info)
         .def("cache_layout", &Draft::cache_layout, py::arg("cross_ctx"), py::arg("full_attention") = false)

@@ -19,6 +19,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 using dflash_impl::dflash_error;
@@ -140,19 +141,25 @@ struct dflash_draft {
     ggml_tensor * tok_embd = nullptr, * output = nullptr;
     std::vector<draft_layer> layers;
 
-    ggml_backend_t backend = nullptr;
-    // One allocator per graph kind: an allocator reuses its last plan when a graph has the same
+    // Where the weights and cross-contexts live: the accelerator's memory when device is set, else
+    // the CPU's. The CPU backend always takes part: it computes what reads host memory (the
+    // target's token embeddings, usually) and whatever the accelerator cannot.
+    ggml_backend_t device = nullptr;
+    ggml_backend_t cpu = nullptr;
+    ggml_backend_buffer_type_t buft = nullptr;
+    // One scheduler per graph kind: an allocator reuses its last plan when a graph has the same
     // node and leaf counts, which two different graphs can have by coincidence.
-    ggml_gallocr_t galloc_append = nullptr;
-    ggml_gallocr_t galloc_step = nullptr;
+    ggml_backend_sched_t sched_append = nullptr;
+    ggml_backend_sched_t sched_step = nullptr;
     std::vector<uint8_t> graph_meta;
 
     ~dflash_draft() {
-        if (galloc_append) ggml_gallocr_free(galloc_append);
-        if (galloc_step) ggml_gallocr_free(galloc_step);
+        if (sched_append) ggml_backend_sched_free(sched_append);
+        if (sched_step) ggml_backend_sched_free(sched_step);
         if (buf_w) ggml_backend_buffer_free(buf_w);
         if (ctx_w) ggml_free(ctx_w);
-        if (backend) ggml_backend_free(backend);
+        if (device) ggml_backend_free(device);
+        if (cpu) ggml_backend_free(cpu);
     }
 
     dflash_mask_rule rule(int il, bool full_attention) const {
@@ -165,9 +172,17 @@ struct dflash_draft {
         return ggml_init(params);
     }
 
-    void allocate(ggml_gallocr_t galloc, ggml_cgraph * gf) {
-        if (!ggml_gallocr_alloc_graph(galloc, gf)) {
+    // Assign gf's nodes to backends and allocate them; inputs can be set after this.
+    void allocate(ggml_backend_sched_t sched, ggml_cgraph * gf) {
+        ggml_backend_sched_reset(sched);
+        if (!ggml_backend_sched_alloc_graph(sched, gf)) {
             fail("could not allocate the draft's compute buffer");
+        }
+    }
+
+    void compute(ggml_backend_sched_t sched, ggml_cgraph * gf, const char * what) {
+        if (ggml_backend_sched_graph_compute(sched, gf) != GGML_STATUS_SUCCESS) {
+            fail("computing %s failed", what);
         }
     }
 };
@@ -350,13 +365,6 @@ void bind_tensors(dflash_draft & d, const llama_model * target) {
     if (d.output == nullptr) {
         d.output = d.tok_embd == target->tok_embd ? target->output : d.tok_embd;
     }
-    // The draft computes on the CPU: what it borrows must be in host memory.
-    for (ggml_tensor * t : {d.tok_embd, d.output}) {
-        if (t->buffer != nullptr && !ggml_backend_buffer_is_host(t->buffer)) {
-            fail("the target's %s is in GPU memory, and the DFlash draft runs on the CPU: keep the target's "
-                 "output layer on the CPU (fewer GPU layers) or convert the draft with its own head", ggml_get_name(t));
-        }
-    }
     if (d.tok_embd->ne[0] != d.n_embd) {
         fail("the target's embedding width %lld differs from the draft's %d; the draft cannot use the target's "
              "token embeddings", (long long) d.tok_embd->ne[0], d.n_embd);
@@ -402,8 +410,63 @@ void check_against_target(dflash_draft & d, const gguf_meta & m, const llama_mod
     }
 }
 
+// The registry's backend whose memory is buft (for a GPU's buffers, that GPU), or null.
+ggml_backend_t init_backend_for(ggml_backend_buffer_type_t buft) {
+    for (size_t i = 0; i < ggml_backend_reg_get_count(); ++i) {
+        if (ggml_backend_reg_get_default_buffer_type(i) == buft) {
+            return ggml_backend_reg_init_backend(i, nullptr);
+        }
+    }
+    return nullptr;
+}
+
+// The first backend in the registry with memory of its own (the first GPU), or null.
+ggml_backend_t init_first_accelerator() {
+    for (size_t i = 0; i < ggml_backend_reg_get_count(); ++i) {
+        if (!ggml_backend_buft_is_host(ggml_backend_reg_get_default_buffer_type(i))) {
+            return ggml_backend_reg_init_backend(i, nullptr);
+        }
+    }
+    return nullptr;
+}
+
+// Choose where the draft runs (docs: dflash.h, dflash_draft_params) and set up its schedulers.
+void place(dflash_draft & d, const llama_model * target, const dflash_draft_params & params) {
+    const ggml_tensor * head = target->output ? target->output : target->tok_embd;
+    ggml_backend_buffer_type_t head_buft = head->buffer ? ggml_backend_buffer_get_type(head->buffer) : nullptr;
+    const bool head_on_device = head_buft != nullptr && !ggml_backend_buft_is_host(head_buft);
+    if (params.n_gpu_layers < 0 ? head_on_device : params.n_gpu_layers > 0) {
+        d.device = head_on_device ? init_backend_for(head_buft) : init_first_accelerator();
+        if (d.device == nullptr && head_on_device) {
+            fail("the target's output layer is in %s memory, for which there is no backend to run the draft on",
+                 ggml_backend_buft_name(head_buft));
+        }
+    }
+    d.cpu = ggml_backend_cpu_init();
+    ggml_backend_cpu_set_n_threads(d.cpu, std::max(1, params.n_threads));
+    d.buft = ggml_backend_get_default_buffer_type(d.device ? d.device : d.cpu);
+    // what the draft borrows from the target must be in memory one of its backends can read
+    for (const ggml_tensor * t : {d.tok_embd, d.output}) {
+        ggml_backend_buffer_type_t t_buft = t->buffer ? ggml_backend_buffer_get_type(t->buffer) : nullptr;
+        if (t_buft != nullptr && !ggml_backend_buft_is_host(t_buft) &&
+            (d.device == nullptr || !ggml_backend_supports_buft(d.device, t_buft))) {
+            fail("the target's %s is in %s memory, but the draft runs on %s: run the draft where the target keeps "
+                 "it (n_gpu_layers for the draft < 0 follows the target) or convert the draft with its own head",
+                 ggml_get_name(t), ggml_backend_buft_name(t_buft), ggml_backend_name(d.device ? d.device : d.cpu));
+        }
+    }
+    std::vector<ggml_backend_t> backends;
+    if (d.device != nullptr) {
+        backends.push_back(d.device);
+    }
+    backends.push_back(d.cpu);  // the scheduler wants the CPU last
+    for (ggml_backend_sched_t * sched : {&d.sched_append, &d.sched_step}) {
+        *sched = ggml_backend_sched_new(backends.data(), nullptr, (int) backends.size(), k_max_graph_nodes, false);
+    }
+}
+
 void load_weights(dflash_draft & d, gguf_context * gctx) {
-    d.buf_w = ggml_backend_alloc_ctx_tensors(d.ctx_w, d.backend);
+    d.buf_w = ggml_backend_alloc_ctx_tensors_from_buft(d.ctx_w, d.buft);
     if (d.buf_w == nullptr) {
         fail("could not allocate memory for the draft's weights");
     }
@@ -425,7 +488,7 @@ void load_weights(dflash_draft & d, gguf_context * gctx) {
     }
 }
 
-std::unique_ptr<dflash_draft> load(const char * path, const llama_model * target, int n_threads) {
+std::unique_ptr<dflash_draft> load(const char * path, const llama_model * target, const dflash_draft_params & params) {
     if (target == nullptr) {
         fail("no target model given");
     }
@@ -434,8 +497,8 @@ std::unique_ptr<dflash_draft> load(const char * path, const llama_model * target
     }
     auto d = std::make_unique<dflash_draft>();
     d->path = path;
-    gguf_init_params params = {/*no_alloc=*/true, &d->ctx_w};
-    gguf_context * gctx = gguf_init_from_file(path, params);
+    gguf_init_params gguf_params = {/*no_alloc=*/true, &d->ctx_w};
+    gguf_context * gctx = gguf_init_from_file(path, gguf_params);
     if (gctx == nullptr) {
         fail("not a valid GGUF file (bad magic, corrupt or truncated header)");
     }
@@ -455,11 +518,8 @@ std::unique_ptr<dflash_draft> load(const char * path, const llama_model * target
     check_against_target(*d, meta, target);
     bind_tensors(*d, target);
 
-    d->backend = ggml_backend_cpu_init();
-    ggml_backend_cpu_set_n_threads(d->backend, std::max(1, n_threads));
+    place(*d, target, params);
     load_weights(*d, gctx);
-    d->galloc_append = ggml_gallocr_new(ggml_backend_get_default_buffer_type(d->backend));
-    d->galloc_step = ggml_gallocr_new(ggml_backend_get_default_buffer_type(d->backend));
     d->graph_meta.resize(ggml_tensor_overhead() * k_max_graph_nodes + ggml_graph_overhead_custom(k_max_graph_nodes, false));
     return d;
 }
@@ -525,12 +585,10 @@ void append_rows(dflash_draft & d, dflash_cache & c, const float * features, con
         write_ring(ctx, gf, ggml_reshape_2d(ctx, ggml_cont(ctx, v), cl.v->ne[0], keep), cl.v, cl.capacity, slot);
         updates.push_back({il, first, keep, slot});
     }
-    d.allocate(d.galloc_append, gf);
+    d.allocate(d.sched_append, gf);
     ggml_backend_tensor_set(inp_feat, features, 0, ggml_nbytes(inp_feat));
     ggml_backend_tensor_set(inp_pos, pos, 0, ggml_nbytes(inp_pos));
-    if (ggml_backend_graph_compute(d.backend, gf) != GGML_STATUS_SUCCESS) {
-        fail("computing the context rows failed");
-    }
+    d.compute(d.sched_append, gf, "the context rows");
     for (int il = 0; il < d.n_layer; ++il) {
         dflash_cache_layer & cl = c.layers[il];
         if (cl.capacity > 0) {
@@ -614,7 +672,7 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
     }
     ggml_set_output(logits);
     ggml_build_forward_expand(gf, logits);
-    d.allocate(d.galloc_step, gf);
+    d.allocate(d.sched_step, gf);
 
     std::vector<llama_token> block(B, d.mask_token);
     block[0] = first;
@@ -631,9 +689,7 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
         dflash_fill_mask(mask.data(), d.rule(il, c.full_attention), cl.slot_pos.data(), cl.n_used, start, B, k_kv_pad);
         ggml_backend_tensor_set(masks[il], mask.data(), 0, ggml_nbytes(masks[il]));
     }
-    if (ggml_backend_graph_compute(d.backend, gf) != GGML_STATUS_SUCCESS) {
-        fail("computing the draft step failed");
-    }
+    d.compute(d.sched_step, gf, "the draft step");
     std::vector<float> host(logits_out ? 0 : (size_t) d.n_vocab * B);
     float * out = logits_out ? logits_out : host.data();
     ggml_backend_tensor_get(logits, out, 0, ggml_nbytes(logits));
@@ -649,10 +705,14 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
 
 const char * dflash_last_error(void) { return dflash_impl::last_error.c_str(); }
 
-dflash_draft * dflash_draft_load(const char * path, const llama_model * target, int n_threads) {
+dflash_draft_params dflash_draft_default_params(void) {
+    return {/*n_threads=*/(int32_t) std::max(1u, std::thread::hardware_concurrency()), /*n_gpu_layers=*/-1};
+}
+
+dflash_draft * dflash_draft_load(const char * path, const llama_model * target, dflash_draft_params params) {
     return guarded([&]() -> dflash_draft * {
         try {
-            return load(path, target, n_threads).release();
+            return load(path, target, params).release();
         } catch (const dflash_error & e) {
             // name the file once, whatever went wrong
             const std::string what = e.what();
@@ -673,6 +733,7 @@ int  dflash_draft_n_target_layers(const dflash_draft * d) { return (int) d->targ
 int  dflash_draft_target_layer_id(const dflash_draft * d, int i) { return d->target_ids.at(i); }
 int  dflash_draft_n_target_features(const dflash_draft * d) { return d->n_target_features; }
 const char * dflash_draft_format(const dflash_draft * d) { return d->format->arch; }
+const char * dflash_draft_device(const dflash_draft * d) { return ggml_backend_name(d->device ? d->device : d->cpu); }
 
 dflash_cache * dflash_cache_init(const dflash_draft * d, int cross_ctx, bool full_attention) {
     return guarded([&]() -> dflash_cache * {
@@ -695,7 +756,7 @@ dflash_cache * dflash_cache_init(const dflash_draft * d, int cross_ctx, bool ful
             cl.slot_pos.assign(cl.capacity, -1);
             c->layers.push_back(std::move(cl));
         }
-        c->buf = ggml_backend_alloc_ctx_tensors(c->ctx, d->backend);
+        c->buf = ggml_backend_alloc_ctx_tensors_from_buft(c->ctx, d->buft);
         if (c->buf == nullptr) {
             fail("could not allocate the cross-context (%d rows)", cross_ctx);
         }

@@ -6,7 +6,7 @@
 // block_size rows every step, and one attention mask per layer type (sliding / full).
 //
 // Usage:
-//   dflash_draft * draft = dflash_draft_load("draft.gguf", target_model);   // checks the pair
+//   dflash_draft * draft = dflash_draft_load("draft.gguf", target_model, dflash_draft_default_params());
 //   dflash_cache * cache = dflash_cache_init(draft, cross_ctx, full_attention);
 //   dflash_cache_append(draft, cache, features, positions, n_rows);          // once per committed row
 //   dflash_draft_step(draft, cache, block_tokens, start_pos, logits, tokens); // one proposal
@@ -25,10 +25,23 @@ struct dflash_cache;  // the cross-context: per draft layer, projected K/V of co
 // The reason for the last failure on this thread ("" if none).
 LLAMA_API const char * dflash_last_error(void);
 
+struct dflash_draft_params {
+    int32_t n_threads;     // CPU threads for the parts that run on the CPU
+    // Where the draft (weights, cross-contexts, compute) lives. The draft is small, so it is placed
+    // whole: < 0 follows the target (the GPU holding the target's output layer, else the CPU);
+    // 0 the CPU; > 0 a GPU (the one holding the target's output layer, else the first), or the
+    // CPU in a build without GPU backends, as the target's n_gpu_layers is then ignored too.
+    int32_t n_gpu_layers;
+};
+
+LLAMA_API dflash_draft_params dflash_draft_default_params(void);
+
 // Load a draft GGUF (ik_llama.cpp's "dflash-draft" or upstream llama.cpp's "dflash") and check
 // it against the target: vocabulary, mask token, target layer ids, feature width, embedding width.
-LLAMA_API dflash_draft * dflash_draft_load(const char * path, const llama_model * target, int n_threads);
+LLAMA_API dflash_draft * dflash_draft_load(const char * path, const llama_model * target, dflash_draft_params params);
 LLAMA_API void dflash_draft_free(dflash_draft * draft);
+// The backend holding the draft: "CPU", "CUDA0", ...
+LLAMA_API const char * dflash_draft_device(const dflash_draft * draft);
 
 // Hyper-parameters.
 LLAMA_API int  dflash_draft_block_size(const dflash_draft * draft);

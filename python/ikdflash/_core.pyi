@@ -41,10 +41,11 @@ class Model:
 class Draft:
     """A DFlash draft GGUF bound to (and checked against) a target Model."""
 
-    def __init__(self, target: Model, path: str, n_threads: int = 0) -> None: ...
+    def __init__(self, target: Model, path: str, n_threads: int = 0, n_gpu_layers: int = -1) -> None:
+        """n_gpu_layers < 0: run where the target keeps its output layer; 0: CPU; > 0: a GPU."""
     def close(self) -> None: ...
     def info(self) -> dict[str, Any]:
-        """format, n_layer, block_size, mask_token, sliding_window, sliding, causal,
+        """format, device, n_layer, block_size, mask_token, sliding_window, sliding, causal,
         target_layer_ids, n_target_features."""
     def cache_layout(self, cross_ctx: int, full_attention: bool = False) -> dict[str, Any]:
         """capacity (rows per layer) and bytes of a cross-context, from its allocation."""

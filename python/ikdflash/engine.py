@@ -65,19 +65,22 @@ class Engine:
     Model parameters: ``n_gpu_layers``. Context parameters: ``n_ctx`` (target context),
     ``n_batch``, ``n_threads``. DFlash parameters: ``cross_ctx`` (context rows the draft's
     full-attention layers keep; default: follow ``n_ctx``, so a sliding window can engage),
-    ``full_attention`` (run every draft layer as full attention, for validation).
+    ``full_attention`` (run every draft layer as full attention, for validation),
+    ``n_gpu_layers_draft`` (where the draft runs: -1 follows the target's output layer, 0 the
+    CPU, > 0 a GPU; ``draft_device`` says where it went).
     """
 
     def __init__(self, target: str | os.PathLike[str], draft: str | os.PathLike[str] | None = None, *,
                  n_ctx: int = 4096, cross_ctx: int | None = None, n_gpu_layers: int = 0,
                  n_threads: int | None = None, n_batch: int = 512, full_attention: bool = False,
-                 verbose: bool = False) -> None:
+                 n_gpu_layers_draft: int = -1, verbose: bool = False) -> None:
         if cross_ctx is not None and cross_ctx < 1:
             raise ValueError(f"cross_ctx must be at least 1, got {cross_ctx}")
         self.target = Model(target, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
                             n_gpu_layers=n_gpu_layers, verbose=verbose)
         try:
-            self.draft = _core.Draft(self.target._native, os.fspath(draft), n_threads or 0) if draft else None
+            self.draft = (_core.Draft(self.target._native, os.fspath(draft), n_threads or 0, n_gpu_layers_draft)
+                          if draft else None)
             self.cross_ctx = cross_ctx or n_ctx
             self._native = _core.Engine(self.target._native, self.draft, self.cross_ctx, full_attention)
         except BaseException:
@@ -95,6 +98,11 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def draft_device(self) -> str | None:
+        """The backend the draft runs on ("CPU", "CUDA0", ...), None without a draft."""
+        return self.draft.info()["device"] if self.draft else None
 
     @property
     def block_size(self) -> int:
