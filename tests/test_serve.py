@@ -182,8 +182,14 @@ def hub_cache(pair, tmp_path, monkeypatch):
     import shutil
     target, draft = pair
     cache = tmp_path / "hub"
-    for repo, files in {"tiny/target-GGUF": {"target-F32.gguf": target, "target-Q8_0.gguf": target},
-                        "tiny/draft": {"draft-SWA-F32.gguf": draft}}.items():
+    repos = {"tiny/target-GGUF": {"mmproj-target-Q8_0.gguf": draft, "target-F32.gguf": target,
+                                  "target-Q8_0.gguf": target},
+             "tiny/draft": {"draft-SWA-F32.gguf": draft},
+             # the built-in pair's repositories, as their pages list them, holding the tiny models
+             "unsloth/Qwen3.5-35B-A3B-GGUF": {"Qwen3.5-35B-A3B-Q4_K_M.gguf": target},
+             "ji-farthing/Qwen3.5-35B-A3B-DFlash-SWA-ik-llama-GGUF": {
+                 "Qwen3.5-35B-A3B-DFlash-SWA-ik_llama-Q8_0.gguf": draft}}
+    for repo, files in repos.items():
         folder = cache / ("models--" + repo.replace("/", "--"))
         commit = "0123456789abcdef0123456789abcdef01234567"
         (folder / "refs").mkdir(parents=True)
@@ -194,7 +200,9 @@ def hub_cache(pair, tmp_path, monkeypatch):
             shutil.copyfile(source, snapshot / name)
     registry = tmp_path / "registry.json"
     registry.write_text(json.dumps({"tiny-pair": {"target": "tiny/target-GGUF:F32",
-                                                  "draft": "tiny/draft/draft-SWA-F32.gguf"}}))
+                                                  "draft": "tiny/draft/draft-SWA-F32.gguf"},
+                                    "swapped-pair": {"target": "tiny/draft/draft-SWA-F32.gguf",
+                                                     "draft": "tiny/target-GGUF:F32"}}))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("IKDFLASH_REGISTRY", str(registry))
@@ -206,7 +214,7 @@ def test_download_from_the_cache_offline(hub_cache):
                           "tiny-pair"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
-    assert lines["tiny/target-GGUF:Q8_0"].endswith("target-Q8_0.gguf")
+    assert lines["tiny/target-GGUF:Q8_0"].endswith("/target-Q8_0.gguf")  # not the projector
     assert lines["tiny-pair target"].endswith("target-F32.gguf")
     assert lines["tiny-pair draft"].endswith("draft-SWA-F32.gguf")
     assert all(os.path.isfile(p) for p in lines.values())
@@ -218,10 +226,31 @@ def test_download_errors_offline(hub_cache):
     assert "not in the local Hugging Face cache, and offline" in out.stderr
     out = subprocess.run(["ikdflash", "download", "no-such-pair"], capture_output=True, text=True)
     assert out.returncode == 2
-    assert "known pairs: tiny-pair" in out.stderr
+    assert "known pairs: qwen3.5-35b-a3b-swa, swapped-pair, tiny-pair" in out.stderr
+    out = subprocess.run(["ikdflash", "download", "swapped-pair"], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "swapped-pair: " in out.stderr and "not a DFlash draft" in out.stderr
+
+
+def test_the_built_in_pair_resolves_and_is_checked(hub_cache, monkeypatch):
+    out = subprocess.run(["ikdflash", "download", "qwen3.5-35b-a3b-swa"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
+    assert lines["qwen3.5-35b-a3b-swa target"].endswith("/Qwen3.5-35B-A3B-Q4_K_M.gguf")
+    assert lines["qwen3.5-35b-a3b-swa draft"].endswith("/Qwen3.5-35B-A3B-DFlash-SWA-ik_llama-Q8_0.gguf")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache.parent / "empty"))
+    out = subprocess.run(["ikdflash", "download", "qwen3.5-35b-a3b-swa"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert ("unsloth/Qwen3.5-35B-A3B-GGUF/Qwen3.5-35B-A3B-Q4_K_M.gguf: not in the local Hugging Face cache, "
+            "and offline") in out.stderr
 
 
 def test_serve_takes_hub_references(hub_cache):
     out = serve("--target", "tiny/target-GGUF:F32", "--draft", "tiny/draft/draft-SWA-F32.gguf", "--dry-run")
     assert out.returncode == 0, out.stderr
     assert str(hub_cache) in out.stdout and "draft-SWA-F32.gguf" in out.stdout
+    out = serve("--pair", "tiny-pair", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert "target-F32.gguf" in out.stdout and "--model-draft" in out.stdout
+    assert "--pair names both models" in serve("--pair", "tiny-pair", "--target", "x.gguf", "--dry-run").stderr
+    assert "give --target and --draft, or --pair" in serve("--target", "x.gguf", "--dry-run").stderr

@@ -2,7 +2,7 @@
 
     ikdflash download owner/repo:Q4_K_M                   # the Q4_K_M GGUF of a repository
     ikdflash download owner/repo/draft-Q8_0.gguf@v1.0     # one file, at a pinned revision
-    ikdflash download NAME                                # both files of a known pair
+    ikdflash download NAME                                # both files of a known pair, checked
     HF_HUB_OFFLINE=1 ikdflash download ...                # from the cache only
 
 References are described in ikdflash.hub; `ikdflash serve` accepts the same ones.
@@ -14,6 +14,7 @@ import argparse
 import sys
 
 from ikdflash.hub import HubError, known_pairs, resolve, resolve_pair
+from ikdflash.pair import check_pair
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,9 +29,14 @@ def run(args: argparse.Namespace) -> int:
                 target, draft = resolve_pair(ref, offline=args.offline)
                 print(f"{ref} target: {target}")
                 print(f"{ref} draft: {draft}")
+                report = check_pair(target, draft)
+                for problem in report.problems:
+                    print(f"ikdflash download: error: {ref}: {problem}", file=sys.stderr)
+                if not report.ok:
+                    return 1
             else:
                 print(f"{ref}: {resolve(ref, offline=args.offline)}")
-    except HubError as e:
+    except (HubError, FileNotFoundError, ValueError) as e:
         print(f"ikdflash download: error: {e}", file=sys.stderr)
         return 2
     return 0

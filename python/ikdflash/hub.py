@@ -19,9 +19,17 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-# Pairs verified to fit together. Empty until a draft repository can be checked from here;
-# add your own with IKDFLASH_REGISTRY.
-BUILTIN_PAIRS: dict[str, dict[str, str]] = {}
+# Known target/draft pairs; add your own with IKDFLASH_REGISTRY. Revisions are not pinned: these
+# entries were written from the repositories' public pages, without a download (see README).
+BUILTIN_PAIRS: dict[str, dict[str, str]] = {
+    # The seed: the Qwen3.5-35B-A3B DFlash draft retrained with a 4096 window on 5 of its 6 layers,
+    # as a Q8_0 dflash-draft GGUF carrying the window (linked from ik_llama.cpp PR #2021), and
+    # unsloth's Q4_K_M of the target (a single file).
+    "qwen3.5-35b-a3b-swa": {
+        "target": "unsloth/Qwen3.5-35B-A3B-GGUF/Qwen3.5-35B-A3B-Q4_K_M.gguf",
+        "draft": "ji-farthing/Qwen3.5-35B-A3B-DFlash-SWA-ik-llama-GGUF:Q8_0",
+    },
+}
 
 
 class HubError(ValueError):
@@ -41,6 +49,7 @@ class HubRef:
 
 
 _REPO = r"[\w.-]+/[\w.-]+"
+_PROJECTOR = "mmproj"  # vision projectors share the quant's name in many repositories; never a target
 
 
 def parse_ref(text: str, role: str = "model") -> Path | HubRef:
@@ -86,9 +95,10 @@ def fetch(ref: HubRef, *, offline: bool = False) -> Path:
             return Path(hf_hub_download(ref.repo, ref.filename, revision=ref.revision, local_files_only=offline))
         patterns = [f"*{ref.quant}*.gguf", f"*{ref.quant.lower()}*.gguf", f"*{ref.quant.upper()}*.gguf"]
         folder = Path(snapshot_download(ref.repo, revision=ref.revision, allow_patterns=patterns,
-                                        local_files_only=offline))
+                                        ignore_patterns=[f"*{_PROJECTOR}*"], local_files_only=offline))
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
-        raise HubError(f"{ref}: not in the local Hugging Face cache, and offline; fetch it once with network "
+        why = "offline" if offline else "the hub cannot be reached"
+        raise HubError(f"{ref}: not in the local Hugging Face cache, and {why}; fetch it once with network "
                        f"(ikdflash download {ref})") from None
     except RepositoryNotFoundError:
         raise HubError(f"{ref}: repository not found (private? set HF_TOKEN)") from None
@@ -96,7 +106,8 @@ def fetch(ref: HubRef, *, offline: bool = False) -> Path:
         raise HubError(f"{ref}: revision {ref.revision} not found") from None
     except EntryNotFoundError:
         raise HubError(f"{ref}: no such file in {ref.repo}") from None
-    matches = sorted(p for p in folder.rglob("*.gguf") if ref.quant.lower() in p.name.lower())
+    matches = sorted(p for p in folder.rglob("*.gguf")
+                     if ref.quant.lower() in p.name.lower() and _PROJECTOR not in p.name.lower())
     if not matches:
         raise HubError(f"{ref}: no GGUF for quant {ref.quant} in {ref.repo}")
     first_shards = [p for p in matches if "-00001-of-" in p.name]
