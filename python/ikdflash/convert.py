@@ -32,6 +32,7 @@ import numpy as np
 import gguf
 
 from ikdflash.hf import CheckpointError, read_config, read_tensors, text_config
+from ikdflash.pair import gguf_field
 
 ARCH = "dflash-draft"
 OUTTYPES = {
@@ -244,11 +245,6 @@ def _bpe_tokenizer_from_hf(folder: Path) -> dict[str, Any]:
     return result
 
 
-def _field_value(reader: gguf.GGUFReader, key: str) -> Any:
-    value = reader.fields[key].contents()
-    return value
-
-
 def read_target(target: Path) -> TargetInfo:
     if not target.exists():
         raise ConversionError(f"target {target} does not exist (give the target's HF folder or GGUF file)")
@@ -257,12 +253,12 @@ def read_target(target: Path) -> TargetInfo:
             reader = gguf.GGUFReader(target)
         except (ValueError, OSError) as e:
             raise ConversionError(f"{target}: not a readable GGUF file: {e}") from None
-        arch = _field_value(reader, "general.architecture")
-        tokenizer = {k: _field_value(reader, k) for k in reader.fields if k.startswith("tokenizer.")}
+        arch = gguf_field(reader, "general.architecture")
+        tokenizer = {k: gguf_field(reader, k) for k in reader.fields if k.startswith("tokenizer.")}
         if "tokenizer.ggml.tokens" not in tokenizer:
             raise ConversionError(f"{target}: the GGUF has no tokenizer")
-        return TargetInfo(hidden_size=int(_field_value(reader, f"{arch}.embedding_length")),
-                          n_layer=int(_field_value(reader, f"{arch}.block_count")),
+        return TargetInfo(hidden_size=int(gguf_field(reader, f"{arch}.embedding_length")),
+                          n_layer=int(gguf_field(reader, f"{arch}.block_count")),
                           n_vocab=len(tokenizer["tokenizer.ggml.tokens"]), tokenizer=tokenizer)
     try:
         config = text_config(read_config(target))

@@ -40,9 +40,17 @@ def open_gguf(path: str | os.PathLike[str], role: str) -> gguf.GGUFReader:
         raise ValueError(f"{role} {path}: corrupt GGUF: {e}") from None
 
 
-def _value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+_REQUIRED = object()
+
+
+def gguf_field(reader: gguf.GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
+    """A metadata value of a GGUF header: default when the key is absent, KeyError without one."""
     field_ = reader.fields.get(key)
-    return default if field_ is None else field_.contents()
+    if field_ is None:
+        if default is _REQUIRED:
+            raise KeyError(f"GGUF key '{key}' is missing")
+        return default
+    return field_.contents()
 
 
 def check_pair(target: str | os.PathLike[str], draft: str | os.PathLike[str], *,
@@ -50,7 +58,7 @@ def check_pair(target: str | os.PathLike[str], draft: str | os.PathLike[str], *,
     report = PairReport()
     t = open_gguf(target, "target")
     d = open_gguf(draft, "draft")
-    t_arch, d_arch = _value(t, "general.architecture"), _value(d, "general.architecture")
+    t_arch, d_arch = gguf_field(t, "general.architecture", None), gguf_field(d, "general.architecture", None)
     if d_arch not in DRAFT_ARCHS:
         report.problems.append(f"draft {draft}: architecture '{d_arch}' is not a DFlash draft")
         return report
@@ -58,21 +66,21 @@ def check_pair(target: str | os.PathLike[str], draft: str | os.PathLike[str], *,
         report.problems.append(f"target {target}: this is a DFlash draft, not a target model")
         return report
     p = d_arch + "."
-    n_layer_t = int(_value(t, f"{t_arch}.block_count", 0))
-    n_embd_t = int(_value(t, f"{t_arch}.embedding_length", 0))
-    t_tokens = _value(t, "tokenizer.ggml.tokens", [])
-    d_tokens = _value(d, "tokenizer.ggml.tokens", [])
+    n_layer_t = int(gguf_field(t, f"{t_arch}.block_count", 0))
+    n_embd_t = int(gguf_field(t, f"{t_arch}.embedding_length", 0))
+    t_tokens = gguf_field(t, "tokenizer.ggml.tokens", [])
+    d_tokens = gguf_field(d, "tokenizer.ggml.tokens", [])
     if d_arch == "dflash-draft":
-        ids = list(_value(d, p + "dflash.target_layer_ids", []))
-        mask = _value(d, p + "dflash.mask_token_id")
-        block = int(_value(d, p + "dflash.block_size", 16))
+        ids = list(gguf_field(d, p + "dflash.target_layer_ids", []))
+        mask = gguf_field(d, p + "dflash.mask_token_id", None)
+        block = int(gguf_field(d, p + "dflash.block_size", 16))
     else:  # upstream llama.cpp: newer files number target layers from 1
         newer = "tokenizer.ggml.mask_token_id" in d.fields
-        ids = [i - (1 if newer else 0) for i in _value(d, p + "target_layers", [])]
-        mask = _value(d, "tokenizer.ggml.mask_token_id" if newer else p + "mask_token_id")
-        block = int(_value(d, p + "block_size", 16))
-    window = int(_value(d, p + "attention.sliding_window", 0))
-    pattern = list(_value(d, p + "attention.sliding_window_pattern", []))
+        ids = [i - (1 if newer else 0) for i in gguf_field(d, p + "target_layers", [])]
+        mask = gguf_field(d, "tokenizer.ggml.mask_token_id" if newer else p + "mask_token_id", None)
+        block = int(gguf_field(d, p + "block_size", 16))
+    window = int(gguf_field(d, p + "attention.sliding_window", 0))
+    pattern = list(gguf_field(d, p + "attention.sliding_window_pattern", []))
     report.facts = {"target_arch": t_arch, "target_layers": n_layer_t, "target_hidden": n_embd_t,
                     "vocab": len(t_tokens), "draft_format": d_arch, "block_size": block, "window": window,
                     "sliding_layers": sum(bool(x) for x in pattern) if pattern else 0, "target_layer_ids": ids}
@@ -94,7 +102,7 @@ def check_pair(target: str | os.PathLike[str], draft: str | os.PathLike[str], *,
             report.problems.append(f"target layer id {i} is outside the target's {n_layer_t} layers")
         elif i == n_layer_t - 1:
             report.problems.append(f"target layer id {i} is the target's last layer, which the fork cannot capture")
-    width = _value(d, p + "dflash.n_target_features")
+    width = gguf_field(d, p + "dflash.n_target_features", None)
     if width is not None and ids and int(width) != n_embd_t * len(ids):
         report.problems.append(f"feature width {width} differs from target hidden size {n_embd_t} x {len(ids)} "
                                f"target layers = {n_embd_t * len(ids)}")

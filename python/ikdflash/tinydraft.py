@@ -21,6 +21,7 @@ import gguf
 import numpy as np
 
 from ikdflash.hf import write_tensors
+from ikdflash.pair import gguf_field
 
 
 # GGUF -> Hugging Face names of a qwen3 decoder layer (the same matrices: no permutation for
@@ -39,15 +40,14 @@ def write_hf_target(folder: Path, target_gguf: Path, *, full: bool = False) -> P
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     reader = gguf.GGUFReader(target_gguf)
-    field = lambda key: reader.fields[key].contents()  # noqa: E731
-    arch = field("general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     weights = {t.name: np.array(t.data, dtype=np.float32) for t in reader.tensors
                if full or t.name in ("token_embd.weight", "output.weight")}
     embed = weights["token_embd.weight"]
     head = weights.get("output.weight", embed)
-    tokens: list[str] = field("tokenizer.ggml.tokens")
-    types: list[int] = field("tokenizer.ggml.token_type")
-    merges: list[str] = field("tokenizer.ggml.merges")
+    tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
+    types: list[int] = gguf_field(reader, "tokenizer.ggml.token_type")
+    merges: list[str] = gguf_field(reader, "tokenizer.ggml.merges")
     control = {i for i, t in enumerate(types) if t == gguf.TokenType.CONTROL}
     tokenizer = {
         "version": "1.0",
@@ -60,13 +60,13 @@ def write_hf_target(folder: Path, target_gguf: Path, *, full: bool = False) -> P
     for role in ("bos", "eos"):
         key = f"tokenizer.ggml.{role}_token_id"
         if key in reader.fields:
-            tok_config[f"{role}_token"] = tokens[int(field(key))]
+            tok_config[f"{role}_token"] = tokens[int(gguf_field(reader, key))]
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
     config = {
         "architectures": ["TinyTarget"],
         "model_type": arch,
-        "hidden_size": int(field(f"{arch}.embedding_length")),
-        "num_hidden_layers": int(field(f"{arch}.block_count")),
+        "hidden_size": int(gguf_field(reader, f"{arch}.embedding_length")),
+        "num_hidden_layers": int(gguf_field(reader, f"{arch}.block_count")),
         "vocab_size": len(tokens),
     }
     tensors = {"model.embed_tokens.weight": embed, "lm_head.weight": head}
@@ -75,13 +75,13 @@ def write_hf_target(folder: Path, target_gguf: Path, *, full: bool = False) -> P
             raise ValueError(f"full Hugging Face export is written for qwen3 targets, not {arch}")
         config |= {
             "architectures": ["Qwen3ForCausalLM"],
-            "num_attention_heads": int(field(f"{arch}.attention.head_count")),
-            "num_key_value_heads": int(field(f"{arch}.attention.head_count_kv")),
-            "head_dim": int(field(f"{arch}.attention.key_length")),
-            "intermediate_size": int(field(f"{arch}.feed_forward_length")),
-            "rms_norm_eps": float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
-            "rope_theta": float(field(f"{arch}.rope.freq_base")),
-            "max_position_embeddings": int(field(f"{arch}.context_length")),
+            "num_attention_heads": int(gguf_field(reader, f"{arch}.attention.head_count")),
+            "num_key_value_heads": int(gguf_field(reader, f"{arch}.attention.head_count_kv")),
+            "head_dim": int(gguf_field(reader, f"{arch}.attention.key_length")),
+            "intermediate_size": int(gguf_field(reader, f"{arch}.feed_forward_length")),
+            "rms_norm_eps": float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+            "rope_theta": float(gguf_field(reader, f"{arch}.rope.freq_base")),
+            "max_position_embeddings": int(gguf_field(reader, f"{arch}.context_length")),
             "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False,
         }
         tensors["model.norm.weight"] = weights["output_norm.weight"]
