@@ -254,3 +254,12 @@ def test_serve_takes_hub_references(hub_cache):
     assert "target-F32.gguf" in out.stdout and "--model-draft" in out.stdout
     assert "--pair names both models" in serve("--pair", "tiny-pair", "--target", "x.gguf", "--dry-run").stderr
     assert "give --target and --draft, or --pair" in serve("--target", "x.gguf", "--dry-run").stderr
+
+
+def test_bench_takes_a_pair(hub_cache):
+    out = subprocess.run(["ikdflash", "bench", "--pair", "tiny-pair", "--lengths", "16", "--max-tokens", "4",
+                          "--threads", "2"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "window 8" in out.stdout
+    out = subprocess.run(["ikdflash", "bench", "--lengths", "16"], capture_output=True, text=True)
+    assert out.returncode == 2 and "give --target and --draft, or --pair" in out.stderr

@@ -3,6 +3,7 @@ the draft's sliding windows honoured, with every layer full, and without a draft
 
     ikdflash bench --target T.gguf --draft D.gguf --lengths 1024 4096 8192 16384
     ikdflash bench --target T.gguf --draft D.gguf --text book.txt --csv out.csv --json out.json
+    ikdflash bench --pair qwen3.5-35b-a3b-swa --gpu-layers 99     # models as serve/download take them
 
 Prompts are cut from --text (or from a built-in paragraph, repeated) to each length in tokens.
 Each mode loads the models once and runs every length, in the same process, so the columns are
@@ -21,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ikdflash.engine import Engine, SpeculationStats
+from ikdflash.hub import HubError, add_model_arguments, resolve_models
 from ikdflash.pair import check_pair
 
 FILLER = ("The history of the river town is the history of its bridges. Each generation built one, "
@@ -50,8 +52,7 @@ class Row:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, type=Path)
-    parser.add_argument("--draft", required=True, type=Path)
+    add_model_arguments(parser)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--text", type=Path, help="cut prompts from this file (default: a built-in paragraph)")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -124,8 +125,9 @@ def run(args: argparse.Namespace) -> int:
         print("ikdflash bench: error: lengths, --max-tokens and --n-max must be at least 1", file=sys.stderr)
         return 2
     try:
+        args.target, args.draft = resolve_models(args)
         report = check_pair(args.target, args.draft)
-    except (FileNotFoundError, ValueError) as e:
+    except (HubError, FileNotFoundError, ValueError) as e:
         print(f"ikdflash bench: error: {e}", file=sys.stderr)
         return 2
     if report.problems:

@@ -13,6 +13,7 @@ set; HF_HUB_OFFLINE=1 (or offline=True) uses the cache only and says which file 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -126,3 +127,21 @@ def resolve_pair(name: str, *, offline: bool = False) -> tuple[Path, Path]:
         raise HubError(f"unknown pair '{name}' ({known_pairs_text()})")
     return (resolve(pairs[name]["target"], role="target", offline=offline),
             resolve(pairs[name]["draft"], role="draft", offline=offline))
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--target/--draft (paths or hub references) or --pair, for the commands that run a pair."""
+    parser.add_argument("--target", help="target GGUF: a path or a hub reference (see download)")
+    parser.add_argument("--draft", help="DFlash draft GGUF: a path or a hub reference")
+    parser.add_argument("--pair", help="a known target/draft pair instead of --target/--draft (see download)")
+
+
+def resolve_models(args: argparse.Namespace) -> tuple[Path, Path]:
+    """The target and draft files named by add_model_arguments' options, downloaded if needed."""
+    if args.pair is not None:
+        if args.target or args.draft:
+            raise HubError("--pair names both models: drop --target and --draft")
+        return resolve_pair(args.pair)
+    if args.target is None or args.draft is None:
+        raise HubError("give --target and --draft, or --pair")
+    return resolve(args.target, role="target"), resolve(args.draft, role="draft")

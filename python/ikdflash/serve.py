@@ -23,16 +23,14 @@ import sys
 import time
 from pathlib import Path
 
-from ikdflash.hub import HubError, resolve, resolve_pair
+from ikdflash.hub import HubError, add_model_arguments, resolve_models
 from ikdflash.pair import check_pair
 from ikdflash.server import Server, ServerError, free_port
 from ikdflash.spectype import SpecType, SpecTypeError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help="target GGUF: a path or a hub reference (see download)")
-    parser.add_argument("--draft", help="DFlash draft GGUF: a path or a hub reference")
-    parser.add_argument("--pair", help="a known target/draft pair instead of --target/--draft (see download)")
+    add_model_arguments(parser)
     parser.add_argument("--n-max", type=int, default=4, help="draft tokens per step (default 4)")
     parser.add_argument("--cross-ctx", type=int, help="context rows the draft keeps (default: the context size)")
     parser.add_argument("--full-attention", action="store_true", help="ignore the draft's sliding windows")
@@ -72,17 +70,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ctx_size < 1:
         say(f"error: --ctx-size must be at least 1, got {args.ctx_size}")
         return 2
-    if args.pair is not None and (args.target or args.draft):
-        say("error: --pair names both models: drop --target and --draft")
-        return 2
-    if args.pair is None and (args.target is None or args.draft is None):
-        say("error: give --target and --draft, or --pair")
-        return 2
     try:
-        if args.pair:
-            args.target, args.draft = resolve_pair(args.pair)
-        else:
-            args.target, args.draft = resolve(args.target, role="target"), resolve(args.draft, role="draft")
+        args.target, args.draft = resolve_models(args)
         server = build_server(args)
         report = check_pair(args.target, args.draft, cross_ctx=args.cross_ctx, ctx_size=args.ctx_size)
     except (SpecTypeError, HubError, FileNotFoundError, ValueError) as e:
