@@ -46,5 +46,5 @@ def test_port_in_use_is_refused(tiny_model):
 def test_server_dying_on_start_is_reported(tmp_path):
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\x00" * 64)
-    with pytest.raises(ServerError, match="exited with code"):
+    with pytest.raises(ServerError, match="exited with code 1 during start-up"):
         Server(broken, log_file=tmp_path / "server.log").start()

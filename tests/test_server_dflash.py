@@ -99,6 +99,17 @@ def test_the_draft_is_placed_like_the_target(pairs, tmp_path):
             assert reply["content"] == plain
 
 
+def test_relative_paths_in_extra_args(pairs, monkeypatch):
+    """The server runs in the temp folder (it writes a llama.log where it runs): a relative path
+    given in extra_args still means the caller's file."""
+    target, draft = pairs["llama"]
+    monkeypatch.chdir(draft.parent)
+    server = Server(target, ctx_size=CTX, n_threads=2, extra_args=dflash_args(draft.name))
+    assert str(draft) in server.command()
+    with server as url:
+        assert post_json(url + "/completion", {"prompt": PROMPT, "n_predict": 8})["timings"]["draft_n"] > 0
+
+
 def test_statistics_add_up_and_reach_metrics(oracle_pair, tmp_path):
     """A target that always picks token 0 and a draft that always agrees (conftest.oracle_pair)."""
     target, draft, _ = oracle_pair
@@ -139,7 +150,7 @@ def test_concurrent_requests_are_queued_and_both_lossless(pairs, tmp_path):
 def test_parallel_slots_are_refused(pairs, tmp_path):
     target, draft = pairs["llama"]
     log = tmp_path / "s.log"
-    with pytest.raises(ServerError, match="exited with code"):
+    with pytest.raises(ServerError, match="exited with code 1 during start-up"):
         Server(target, ctx_size=CTX, log_file=log, extra_args=dflash_args(draft) + ["--parallel", "2"],
                startup_timeout=60).start()
     assert "--spec-type dflash serves one sequence at a time: use --parallel 1 (got 2)" in log.read_text()
@@ -165,7 +176,7 @@ def test_bad_flags_exit_with_their_reason(pairs, tmp_path, spec, extra, message)
     target, draft = pairs["llama"]
     args = (["--model-draft", str(draft)] if extra else []) + ["--spec-type", spec]
     log = tmp_path / "s.log"
-    with pytest.raises(ServerError, match="exited with code"):
+    with pytest.raises(ServerError, match="exited with code 1 during start-up"):
         Server(target, ctx_size=CTX, log_file=log, extra_args=args, startup_timeout=60).start()
     assert message in log.read_text()
 
@@ -175,6 +186,6 @@ def test_mismatched_draft_is_refused(pairs, tmp_path):
     _, other_draft = pairs["qwen35moe"]  # same vocabulary and width: only the layer ids are wrong
     bad = rewrite(other_draft, tmp_path / "bad.gguf", fields={"dflash-draft.dflash.target_layer_ids": [0, 9]})
     log = tmp_path / "s.log"
-    with pytest.raises(ServerError, match="exited with code"):
+    with pytest.raises(ServerError, match="exited with code 1 during start-up"):
         Server(target, ctx_size=CTX, log_file=log, extra_args=dflash_args(bad), startup_timeout=60).start()
     assert "target layer id 9 is outside the target's 4 layers" in log.read_text()

@@ -78,7 +78,10 @@ class Server:
                "--host", self.host, "--port", str(self.port)]
         if self.n_threads:
             cmd += ["-t", str(self.n_threads)]
-        return cmd + self.extra_args
+        # The server runs in another folder (see start): a relative path that names a file here
+        # (--model-draft draft.gguf) is given to it as an absolute one.
+        return cmd + [os.path.abspath(a) if os.path.exists(a) and not os.path.isabs(a) else a
+                      for a in self.extra_args]
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> str:
