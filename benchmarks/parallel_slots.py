@@ -1,14 +1,15 @@
-"""Why `--spec-type dflash` refuses `--parallel` above 1: the base server's own speculative
-decoding (a classic draft model, no DFlash involved) stops reproducing plain greedy decoding once
-two slots verify drafts in the same batch.
+"""Two concurrent speculative requests on two slots of the packaged llama-server, against plain
+greedy decoding, with the base's classic draft-model speculation (no DFlash involved).
 
     python benchmarks/parallel_slots.py [--rounds 6] [--flash-attn off|on]
 
-A tiny llama target and another tiny llama (different weights) as its draft, so drafts are
-mostly rejected. The two prompts are decoded one at a time without a draft (the reference), then
-sent concurrently, several rounds, to a server with --parallel 2 and the draft. It prints, per
-round, whether each reply equals its reference; the same rounds with --parallel 1 (requests
-queued) all match.
+A tiny llama target and another tiny llama (different weights) as its draft, so most drafts are
+rejected and each rejection leaves a hole in the KV cache under the other slot's cells. The two
+prompts are decoded one at a time without a draft (the reference), then sent concurrently,
+several rounds, with --parallel 1 (queued) and --parallel 2 (verified in the same batches). It
+prints per round whether both replies equal the reference. Before patch 0005 (the KV cache's
+last-used-cell search skipped cells above a hole) --parallel 2 missed in some rounds; the DFlash
+equivalent is tests/test_server_dflash.py::test_concurrent_requests_are_lossless.
 """
 
 from __future__ import annotations
