@@ -65,10 +65,10 @@ def test_end_to_end_and_sigterm_leaves_no_orphan(pair, tmp_path):
 def test_dry_run_prints_the_command(pair):
     target, draft = pair
     out = serve("--target", str(target), "--draft", str(draft), "--n-max", "6", "--cross-ctx", "512", "-c", "2048",
-                "--gpu-layers", "99", "--dry-run", "--", "--metrics")
+                "--gpu-layers", "99", "--gpu-layers-draft", "0", "--dry-run", "--", "--metrics")
     assert out.returncode == 0, out.stderr
     assert "--spec-type dflash:n_max=6,cross_ctx=512" in out.stdout
-    assert "-c 2048" in out.stdout and "-ngl 99" in out.stdout and out.stdout.strip().endswith("--metrics")
+    assert "-c 2048" in out.stdout and "-ngl 99 -ngld 0" in out.stdout and out.stdout.strip().endswith("--metrics")
 
 
 def test_warns_when_the_window_cannot_engage(tiny_model, tiny_draft):

@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full-attention", action="store_true", help="ignore the draft's sliding windows")
     parser.add_argument("-c", "--ctx-size", type=int, default=8192, help="context size (default 8192)")
     parser.add_argument("--gpu-layers", type=int, help="target layers on the GPU (llama-server -ngl)")
+    parser.add_argument("--gpu-layers-draft", type=int,
+                        help="draft placement (-ngld): default follows the target's output layer, 0 keeps it on the CPU")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080, help="port, or 0 for a free one (default 8080)")
     parser.add_argument("--log-file", type=Path, help="write the server's log here instead of stdout")
@@ -53,6 +55,8 @@ def build_server(args: argparse.Namespace) -> Server:
     extra = ["--model-draft", str(args.draft.resolve()), "--spec-type", spec.flag()]
     if args.gpu_layers is not None:
         extra += ["-ngl", str(args.gpu_layers)]
+    if args.gpu_layers_draft is not None:
+        extra += ["-ngld", str(args.gpu_layers_draft)]
     extra += [a for a in args.extra if a != "--"]
     last_report = [0.0]
 
