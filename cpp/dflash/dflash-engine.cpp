@@ -115,13 +115,29 @@ struct dflash_capture {
     }
 };
 
+// One recurrent layer's state row for a sequence, and the copy taken before a verification pass.
+// The copy lives in the same kind of memory as the state (the GPU's when the layer is offloaded),
+// so saving and restoring never cross the bus.
+struct dflash_state_row {
+    ggml_tensor * live = nullptr;   // view of the layer's state tensor: this sequence's row
+    ggml_tensor * saved = nullptr;
+    ggml_backend_buffer_t buf = nullptr;
+};
+
 struct dflash_seq {
     dflash_draft * draft = nullptr;
     dflash_cache * cache = nullptr;
     llama_seq_id seq_id = 0;
-    std::vector<std::vector<uint8_t>> recurrent;  // this sequence's row of every recurrent state
+    ggml_context * state_ctx = nullptr;  // holds the views and copies below
+    std::vector<dflash_state_row> state_rows;
 
-    ~dflash_seq() { dflash_cache_free(cache); }
+    ~dflash_seq() {
+        for (auto & r : state_rows) {
+            ggml_backend_buffer_free(r.buf);
+        }
+        if (state_ctx) ggml_free(state_ctx);
+        dflash_cache_free(cache);
+    }
 
     void commit(const dflash_capture & capture, const int32_t * idx, int n, llama_pos pos0) {
         std::vector<float> features;
@@ -136,23 +152,37 @@ struct dflash_seq {
     }
 
     // The recurrent state tensors hold one row per sequence; only this one's is saved.
-    void save_state(llama_context * ctx) {
-        const auto & s_l = ctx->kv_self.s_l;
-        recurrent.resize(s_l.size());
-        for (size_t il = 0; il < s_l.size(); ++il) {
-            if (s_l[il] != nullptr) {
-                recurrent[il].resize(s_l[il]->nb[1]);
-                ggml_backend_tensor_get(s_l[il], recurrent[il].data(), seq_id * s_l[il]->nb[1], s_l[il]->nb[1]);
-            }
+    void save_state() {
+        for (auto & r : state_rows) {
+            ggml_backend_tensor_copy(r.live, r.saved);
         }
     }
 
-    void restore_state(llama_context * ctx) const {
+    void restore_state() const {
+        for (const auto & r : state_rows) {
+            ggml_backend_tensor_copy(r.saved, r.live);
+        }
+    }
+
+    // Views of this sequence's rows of ctx's recurrent state tensors, and room for their copies.
+    void bind_state_rows(llama_context * ctx) {
         const auto & s_l = ctx->kv_self.s_l;
-        for (size_t il = 0; il < s_l.size() && il < recurrent.size(); ++il) {
-            if (s_l[il] != nullptr) {
-                ggml_backend_tensor_set(s_l[il], recurrent[il].data(), seq_id * s_l[il]->nb[1], s_l[il]->nb[1]);
+        ggml_init_params params = {ggml_tensor_overhead() * 2 * std::max<size_t>(1, s_l.size()), nullptr, /*no_alloc=*/true};
+        state_ctx = ggml_init(params);
+        for (ggml_tensor * s : s_l) {
+            if (s == nullptr) {
+                continue;
             }
+            dflash_state_row r;
+            r.live = ggml_view_1d(state_ctx, s, s->ne[0], (size_t) seq_id * s->nb[1]);
+            ggml_backend_view_init(r.live);
+            r.saved = ggml_new_tensor_1d(state_ctx, s->type, s->ne[0]);
+            r.buf = ggml_backend_buft_alloc_buffer(ggml_backend_buffer_get_type(s->buffer), ggml_nbytes(r.saved));
+            if (r.buf == nullptr) {
+                fail("could not allocate %zu bytes for a recurrent state snapshot", ggml_nbytes(r.saved));
+            }
+            ggml_backend_tensor_alloc(r.buf, r.saved, ggml_backend_buffer_get_base(r.buf));
+            state_rows.push_back(r);
         }
     }
 };
@@ -285,7 +315,7 @@ struct dflash_engine {
             verify.assign(1, t);
             verify.insert(verify.end(), proposal.begin(), proposal.begin() + std::max(0, n));
             if (hybrid && n > 0) {
-                seq->save_state(ctx);
+                seq->save_state();
             }
             decode(verify.data(), n + 1, s, true, true);
             int acc = 0;
@@ -300,7 +330,7 @@ struct dflash_engine {
                 llama_kv_cache_seq_rm(ctx, 0, s + acc + 1, -1);
                 if (hybrid) {
                     // the recurrent state has run past the rejected rows: restore and replay
-                    seq->restore_state(ctx);
+                    seq->restore_state();
                     llama_kv_cache_seq_rm(ctx, 0, s, -1);
                     decode(verify.data(), acc + 1, s, false, false);
                 }
@@ -343,7 +373,7 @@ dflash_engine * dflash_engine_init(llama_context * target, dflash_draft * draft,
         e->draft = draft;
         e->hybrid = llama_model_has_recurrent(e->model);
         if (draft != nullptr) {
-            e->seq.reset(dflash_seq_init(draft, params.cross_ctx, params.full_attention, 0));
+            e->seq.reset(dflash_seq_init(draft, target, params.cross_ctx, params.full_attention, 0));
             if (e->seq == nullptr) {
                 fail("%s", dflash_last_error());
             }
@@ -396,7 +426,8 @@ void dflash_capture_begin(dflash_capture * capture, bool active) {
 
 int dflash_capture_n_rows(const dflash_capture * capture) { return capture->n_rows(); }
 
-dflash_seq * dflash_seq_init(dflash_draft * draft, int cross_ctx, bool full_attention, llama_seq_id seq_id) {
+dflash_seq * dflash_seq_init(dflash_draft * draft, llama_context * ctx, int cross_ctx, bool full_attention,
+                             llama_seq_id seq_id) {
     return guarded([&]() -> dflash_seq * {
         auto s = std::make_unique<dflash_seq>();
         s->draft = draft;
@@ -405,6 +436,7 @@ dflash_seq * dflash_seq_init(dflash_draft * draft, int cross_ctx, bool full_atte
         if (s->cache == nullptr) {
             fail("%s", dflash_last_error());
         }
+        s->bind_state_rows(ctx);
         return s.release();
     }, (dflash_seq *) nullptr);
 }
@@ -434,6 +466,6 @@ int dflash_seq_draft(dflash_seq * seq, llama_token t, llama_pos pos, int n, llam
     return 0;
 }
 
-void dflash_seq_save_state(dflash_seq * seq, llama_context * ctx) { seq->save_state(ctx); }
+void dflash_seq_save_state(dflash_seq * seq) { seq->save_state(); }
 
-void dflash_seq_restore_state(const dflash_seq * seq, llama_context * ctx) { seq->restore_state(ctx); }
+void dflash_seq_restore_state(const dflash_seq * seq) { seq->restore_state(); }

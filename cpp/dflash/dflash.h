@@ -94,7 +94,9 @@ LLAMA_API void dflash_capture_begin(dflash_capture * capture, bool active);
 // Rows captured by the last pass (one per batch token, in batch order).
 LLAMA_API int  dflash_capture_n_rows(const dflash_capture * capture);
 
-LLAMA_API dflash_seq * dflash_seq_init(dflash_draft * draft, int cross_ctx, bool full_attention, llama_seq_id seq_id);
+// A sequence seq_id of ctx (the target context whose passes are captured).
+LLAMA_API dflash_seq * dflash_seq_init(dflash_draft * draft, llama_context * ctx, int cross_ctx, bool full_attention,
+                                       llama_seq_id seq_id);
 LLAMA_API void dflash_seq_free(dflash_seq * seq);
 // Forget all context rows (a new request on this sequence).
 LLAMA_API void dflash_seq_reset(dflash_seq * seq);
@@ -104,9 +106,10 @@ LLAMA_API int  dflash_seq_commit(dflash_seq * seq, const dflash_capture * captur
 // Propose n tokens (n <= block_size - 1) after token t at position pos. Returns 0 on success.
 LLAMA_API int  dflash_seq_draft(dflash_seq * seq, llama_token t, llama_pos pos, int n, llama_token * out);
 // Hybrid targets: save this sequence's recurrent state before a verification pass, and put it
-// back after a rejection (then replay the accepted tokens). No-ops for other targets.
-LLAMA_API void dflash_seq_save_state(dflash_seq * seq, llama_context * ctx);
-LLAMA_API void dflash_seq_restore_state(const dflash_seq * seq, llama_context * ctx);
+// back after a rejection (then replay the accepted tokens). The copy stays in the state's own
+// memory (the GPU's when offloaded). No-ops for other targets.
+LLAMA_API void dflash_seq_save_state(dflash_seq * seq);
+LLAMA_API void dflash_seq_restore_state(const dflash_seq * seq);
 
 // --- the speculative engine ---------------------------------------------------------------------
 // One sequence (seq 0) of a target context, drafted by a DFlash draft: draft a block, verify it in
