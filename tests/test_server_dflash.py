@@ -11,6 +11,7 @@ import pytest
 
 from ikdflash import Server, ServerError, build_info
 from ikdflash.client import post_json
+from ikdflash.spectype import SpecType
 from gguf_edit import rewrite
 
 PROMPT = "the quick brown fox jumps over the lazy dog, and the cat sat on the mat. " * 3
@@ -27,8 +28,10 @@ def pairs(tiny_model, tiny_draft):
     return out
 
 
-def dflash_args(draft, spec="dflash:n_max=4"):
-    return ["--model-draft", str(draft), "--spec-type", spec]
+def dflash_args(draft, spec: SpecType = SpecType(n_max=4)) -> list[str]:
+    """The flags for a draft, the --spec-type value built by ikdflash.spectype (bad values are
+    written out by hand in test_bad_flags_exit_with_their_reason: SpecType refuses them)."""
+    return ["--model-draft", str(draft), "--spec-type", spec.flag()]
 
 
 def stream(url: str, body: dict) -> list[dict]:
@@ -114,7 +117,7 @@ def test_statistics_add_up_and_reach_metrics(oracle_pair, tmp_path):
     """A target that always picks token 0 and a draft that always agrees (conftest.oracle_pair)."""
     target, draft, _ = oracle_pair
     with Server(target, ctx_size=512, n_threads=2, log_file=tmp_path / "s.log",
-                extra_args=dflash_args(draft, "dflash:n_max=4,cross_ctx=64") + ["--metrics"]) as url:
+                extra_args=dflash_args(draft, SpecType(n_max=4, cross_ctx=64)) + ["--metrics"]) as url:
         reply = post_json(url + "/completion", {"prompt": "hello", "n_predict": 21, "temperature": 0,
                                                 "ignore_eos": True})
         metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
@@ -173,7 +176,7 @@ def test_full_attention_switch(pairs, tmp_path):
     target, draft = pairs["llama"]
     log = tmp_path / "s.log"
     with Server(target, ctx_size=CTX, n_threads=2, log_file=log,
-                extra_args=dflash_args(draft, "dflash:n_max=4,full_attention=1")) as url:
+                extra_args=dflash_args(draft, SpecType(n_max=4, full_attention=True))) as url:
         reply = post_json(url + "/completion", {"prompt": PROMPT, "n_predict": 8, "temperature": 0})
     assert reply["timings"]["draft_n"] > 0
     assert "(ignored: full_attention): the window can never engage" in log.read_text()
