@@ -28,7 +28,10 @@ def pairs(tiny_model, tiny_draft):
     return out
 
 
-def dflash_args(draft, spec: SpecType = SpecType(n_max=4)) -> list[str]:
+N_MAX_4 = SpecType(n_max=4)
+
+
+def dflash_args(draft, spec: SpecType = N_MAX_4) -> list[str]:
     """The flags for a draft, the --spec-type value built by ikdflash.spectype (bad values are
     written out by hand in test_bad_flags_exit_with_their_reason: SpecType refuses them)."""
     return ["--model-draft", str(draft), "--spec-type", spec.flag()]
