@@ -129,6 +129,29 @@ def test_window_changes_the_output_only_past_the_window(target, drafts):
     assert not np.allclose(trimmed, whole)
 
 
+@pytest.mark.parametrize("cross_ctx", [12, 40])
+def test_truncating_the_cross_context(target, drafts, cross_ctx):
+    """A slot whose new request reuses part of the last prompt drops the rows past the reused
+    part (dflash_cache_truncate). With cross_ctx 12 the full layer's ring has wrapped (30 rows),
+    and the sliding layers' rings (window - 1 = 7 rows) have in both cases."""
+    _, _, model = target
+    draft = _core.Draft(model, str(drafts["swa-5+1"][1]))
+    rows = context(30, draft.info()["n_target_features"])
+    pos = np.arange(30, dtype=np.int32)
+    whole, _ = draft.forward(rows, pos, 65, 30, cross_ctx=cross_ctx)
+    # dropped and appended again: as if the rows had been appended once
+    again, _ = draft.forward(rows, pos, 65, 30, cross_ctx=cross_ctx, truncate_at=26,
+                             then_features=rows[26:], then_positions=pos[26:])
+    np.testing.assert_allclose(again, whole, rtol=1e-5, atol=1e-5)
+    # dropped only: the rows still held stay; rows a full ring evicted for the dropped ones do not
+    # come back (the sliding layers' evicted rows are outside the window anyway)
+    oldest_held = max(0, 30 - cross_ctx)
+    kept, _ = draft.forward(rows[oldest_held:26], pos[oldest_held:26], 65, 30, cross_ctx=cross_ctx)
+    cut, _ = draft.forward(rows, pos, 65, 30, cross_ctx=cross_ctx, truncate_at=26)
+    np.testing.assert_allclose(cut, kept, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(cut, whole)
+
+
 def test_mask_rule_matches_the_reference():
     import torch
     from dflash.model import _attention_mask

@@ -175,6 +175,26 @@ def test_concurrent_requests_are_lossless(pairs, tmp_path, arch, parallel):
                 assert g["probs"][0]["prob"] == pytest.approx(w["probs"][0]["prob"], rel=1e-2)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+def test_a_cached_prompt_prefix_keeps_its_draft_context(pairs, tmp_path, arch):
+    """A request that extends the last one's prompt: the server reuses the cached prefix, and the
+    draft keeps the context rows of that prefix instead of starting empty (lossless either way)."""
+    import re
+    target, draft = pairs[arch]
+    bodies = [{"prompt": p, "n_predict": 16, "temperature": 0, "ignore_eos": True, "cache_prompt": True}
+              for p in (PROMPT, PROMPT + "and then the fox ran home. ")]
+    with Server(target, ctx_size=CTX, n_threads=2, log_file=tmp_path / "plain.log") as url:
+        expected = [post_json(url + "/completion", b)["content"] for b in bodies]
+    log = tmp_path / "spec.log"
+    with Server(target, ctx_size=CTX, n_threads=2, log_file=log, extra_args=dflash_args(draft)) as url:
+        replies = [post_json(url + "/completion", b) for b in bodies]
+    assert [r["content"] for r in replies] == expected
+    kept = [int(p) for p in re.findall(r"dflash: the draft keeps its context rows before position (\d+)",
+                                       log.read_text())]
+    assert kept[0] == 0 and kept[1] > 0, kept
+    assert replies[1]["tokens_cached"] >= kept[1]
+
+
 def test_full_attention_switch(pairs, tmp_path):
     target, draft = pairs["llama"]
     log = tmp_path / "s.log"

@@ -8,6 +8,9 @@
 #include "dflash-mask.h"
 
 #include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <optional>
 
 namespace ikdflash {
 
@@ -41,19 +44,23 @@ public:
         draft_ = nullptr;
     }
 
-    // One draft step over a fresh cross-context holding the given rows (cross_ctx 0: all of them).
-    py::tuple forward(py::array_t<float, py::array::c_style | py::array::forcecast> features,
-                      py::array_t<int32_t, py::array::c_style | py::array::forcecast> positions, int first_token,
-                      int start, int cross_ctx, bool full_attention) {
+    using f32_array = py::array_t<float, py::array::c_style | py::array::forcecast>;
+    using i32_array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+    // One draft step over a fresh cross-context holding the given rows (cross_ctx 0: all of
+    // them). truncate_at >= 0 then drops the rows at positions >= truncate_at, and then_features /
+    // then_positions are appended after that, as a server slot does when a new request reuses
+    // part of the last prompt.
+    py::tuple forward(f32_array features, i32_array positions, int first_token, int start, int cross_ctx,
+                      bool full_attention, int truncate_at, std::optional<f32_array> then_features,
+                      std::optional<i32_array> then_positions) {
         open();
-        const int n_feat = dflash_draft_n_target_features(draft_);
-        if (features.ndim() != 2 || features.shape(1) != n_feat) {
-            throw py::value_error("features must have shape (rows, " + std::to_string(n_feat) + ")");
-        }
+        check_rows(features, positions);
         const int n_rows = (int) features.shape(0);
-        if (positions.ndim() != 1 || positions.shape(0) != n_rows) {
-            throw py::value_error("positions must have one entry per feature row");
+        if (then_features.has_value() != then_positions.has_value()) {
+            throw py::value_error("give then_features and then_positions together");
         }
+        const int n_then = then_features ? check_rows(*then_features, *then_positions) : 0;
         const int block = dflash_draft_block_size(draft_);
         py::array_t<float> logits({block, n_vocab_});
         std::vector<llama_token> tokens(block - 1);
@@ -65,6 +72,12 @@ public:
             rc = cache == nullptr ? -1 : 0;
             if (rc == 0 && n_rows > 0) {
                 rc = dflash_cache_append(draft_, cache, features.data(), positions.data(), n_rows);
+            }
+            if (rc == 0 && truncate_at >= 0) {
+                dflash_cache_truncate(cache, truncate_at);
+            }
+            if (rc == 0 && n_then > 0) {
+                rc = dflash_cache_append(draft_, cache, then_features->data(), then_positions->data(), n_then);
             }
             if (rc == 0) {
                 rc = dflash_draft_step(draft_, cache, first_token, start, logits.mutable_data(), tokens.data());
@@ -99,6 +112,18 @@ public:
         out["target_layer_ids"] = ids;
         out["n_target_features"] = dflash_draft_n_target_features(draft_);
         return out;
+    }
+
+    // The number of rows, after checking the shapes of features and positions.
+    int check_rows(const f32_array & features, const i32_array & positions) const {
+        const int n_feat = dflash_draft_n_target_features(draft_);
+        if (features.ndim() != 2 || features.shape(1) != n_feat) {
+            throw py::value_error("features must have shape (rows, " + std::to_string(n_feat) + ")");
+        }
+        if (positions.ndim() != 1 || positions.shape(0) != features.shape(0)) {
+            throw py::value_error("positions must have one entry per feature row");
+        }
+        return (int) features.shape(0);
     }
 
     // Capacity and size of a cross-context for this draft, without filling it.
@@ -212,7 +237,8 @@ void bind_dflash(py::module_ & m) {
         .def("info", &Draft::info)
         .def("cache_layout", &Draft::cache_layout, py::arg("cross_ctx"), py::arg("full_attention") = false)
         .def("forward", &Draft::forward, py::arg("features"), py::arg("positions"), py::arg("first_token"),
-             py::arg("start"), py::arg("cross_ctx") = 0, py::arg("full_attention") = false);
+             py::arg("start"), py::arg("cross_ctx") = 0, py::arg("full_attention") = false,
+             py::arg("truncate_at") = -1, py::arg("then_features") = py::none(), py::arg("then_positions") = py::none());
     py::class_<Engine>(m, "Engine")
         .def(py::init<Model &, Draft *, int, bool>(), py::arg("target"), py::arg("draft"), py::arg("cross_ctx"),
              py::arg("full_attention") = false, py::keep_alive<1, 2>(), py::keep_alive<1, 3>())

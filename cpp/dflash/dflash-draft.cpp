@@ -191,8 +191,9 @@ struct dflash_cache_layer {
     ggml_tensor * k = nullptr;    // [head_dim * n_head_kv, capacity], F32, a ring
     ggml_tensor * v = nullptr;
     int capacity = 0;
-    std::vector<int32_t> slot_pos;  // position held by each used slot
-    int n_used = 0;
+    std::vector<int32_t> slot_pos;  // position held by each slot, -1 for none (never written, or dropped)
+    int n_used = 0;                 // rows held
+    int n_filled = 0;               // slots [0, n_filled) have been written; attention reads them all
     int next = 0;                   // slot the next row goes to
 };
 
@@ -594,6 +595,7 @@ void append_rows(dflash_draft & d, dflash_cache & c, const float * features, con
         if (cl.capacity > 0) {
             cl.next = (cl.next + n) % cl.capacity;
             cl.n_used = std::min(cl.capacity, cl.n_used + n);
+            cl.n_filled = std::min(cl.capacity, cl.n_filled + n);
         }
     }
     for (const pending & u : updates) {
@@ -617,7 +619,7 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
     ggml_set_input(inp_pos);
     std::vector<ggml_tensor *> masks(d.n_layer);
     for (int il = 0; il < d.n_layer; ++il) {
-        masks[il] = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, dflash_mask_cols(c.layers[il].n_used + B, k_kv_pad),
+        masks[il] = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, dflash_mask_cols(c.layers[il].n_filled + B, k_kv_pad),
                                        dflash_mask_rows(B));
         ggml_set_input(masks[il]);
     }
@@ -636,16 +638,16 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
         q = rope(d, ctx, rms_norm(ctx, q, l.q_norm, d.rms_eps), inp_pos);
         ggml_tensor * k, * v;
         project_kv(d, ctx, il, a, inp_pos, &k, &v);
-        if (cl.n_used > 0) {
+        if (cl.n_filled > 0) {
             // keys: the retained context rows (ring order; the mask knows their positions), then the block
-            ggml_tensor * k_ctx = ggml_view_3d(ctx, cl.k, d.head_dim, d.n_head_kv, cl.n_used, cl.k->nb[1] / d.n_head_kv,
+            ggml_tensor * k_ctx = ggml_view_3d(ctx, cl.k, d.head_dim, d.n_head_kv, cl.n_filled, cl.k->nb[1] / d.n_head_kv,
                                                cl.k->nb[1], 0);
-            ggml_tensor * v_ctx = ggml_view_3d(ctx, cl.v, d.head_dim, d.n_head_kv, cl.n_used, cl.v->nb[1] / d.n_head_kv,
+            ggml_tensor * v_ctx = ggml_view_3d(ctx, cl.v, d.head_dim, d.n_head_kv, cl.n_filled, cl.v->nb[1] / d.n_head_kv,
                                                cl.v->nb[1], 0);
             k = ggml_concat(ctx, k_ctx, k, 2);
             v = ggml_concat(ctx, v_ctx, v, 2);
         }
-        const int n_pad = dflash_mask_cols(cl.n_used + B, k_kv_pad) - (cl.n_used + B);
+        const int n_pad = dflash_mask_cols(cl.n_filled + B, k_kv_pad) - (cl.n_filled + B);
         if (n_pad > 0) {
             k = ggml_pad(ctx, k, 0, 0, n_pad, 0);
             v = ggml_pad(ctx, v, 0, 0, n_pad, 0);
@@ -686,7 +688,7 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
     for (int il = 0; il < d.n_layer; ++il) {
         const dflash_cache_layer & cl = c.layers[il];
         mask.resize(ggml_nelements(masks[il]));
-        dflash_fill_mask(mask.data(), d.rule(il, c.full_attention), cl.slot_pos.data(), cl.n_used, start, B, k_kv_pad);
+        dflash_fill_mask(mask.data(), d.rule(il, c.full_attention), cl.slot_pos.data(), cl.n_filled, start, B, k_kv_pad);
         ggml_backend_tensor_set(masks[il], mask.data(), 0, ggml_nbytes(masks[il]));
     }
     d.compute(d.sched_step, gf, "the draft step");
@@ -768,10 +770,26 @@ void dflash_cache_free(dflash_cache * c) { delete c; }
 
 void dflash_cache_clear(dflash_cache * c) {
     for (auto & cl : c->layers) {
-        cl.n_used = cl.next = 0;
+        cl.n_used = cl.n_filled = cl.next = 0;
         std::fill(cl.slot_pos.begin(), cl.slot_pos.end(), -1);
     }
     c->last_pos = -1;
+}
+
+void dflash_cache_truncate(dflash_cache * c, int32_t pos) {
+    for (auto & cl : c->layers) {
+        // rows arrive in increasing positions, so the rows to drop are the newest ones
+        while (cl.n_used > 0) {
+            const int newest = (cl.next + cl.capacity - 1) % cl.capacity;
+            if (cl.slot_pos[newest] < pos) {
+                break;
+            }
+            cl.slot_pos[newest] = -1;  // hidden by the mask until a new row overwrites it
+            cl.next = newest;
+            --cl.n_used;
+        }
+    }
+    c->last_pos = std::min(c->last_pos, pos - 1);
 }
 
 int dflash_cache_capacity(const dflash_cache * c, int il) { return c->layers.at(il).capacity; }

@@ -445,6 +445,8 @@ void dflash_seq_free(dflash_seq * seq) { delete seq; }
 
 void dflash_seq_reset(dflash_seq * seq) { dflash_cache_clear(seq->cache); }
 
+void dflash_seq_truncate(dflash_seq * seq, llama_pos pos) { dflash_cache_truncate(seq->cache, pos); }
+
 int dflash_seq_commit(dflash_seq * seq, const dflash_capture * capture, const int32_t * rows, int n_rows, llama_pos pos0) {
     return guarded([&]() -> int {
         seq->commit(*capture, rows, n_rows, pos0);

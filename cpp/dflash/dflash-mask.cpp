@@ -39,7 +39,7 @@ void dflash_fill_mask(ggml_fp16_t * mask, const dflash_mask_rule & rule, const i
             bool see = false;
             if (j < n_query && c < n_ctx + n_query) {
                 const int32_t kp = c < n_ctx ? key_pos[c] : start + (c - n_ctx);
-                see = dflash_key_visible(rule, qp, kp);
+                see = kp >= 0 && dflash_key_visible(rule, qp, kp);  // kp < 0: an empty ring slot
             }
             row[c] = see ? visible : hidden;
         }

@@ -62,6 +62,8 @@ LLAMA_API const char * dflash_draft_format(const dflash_draft * draft);         
 LLAMA_API dflash_cache * dflash_cache_init(const dflash_draft * draft, int cross_ctx, bool full_attention);
 LLAMA_API void   dflash_cache_free(dflash_cache * cache);
 LLAMA_API void   dflash_cache_clear(dflash_cache * cache);
+// Drop the rows at positions >= pos (the target rolled back or reuses a cached prompt prefix).
+LLAMA_API void   dflash_cache_truncate(dflash_cache * cache, int32_t pos);
 LLAMA_API int    dflash_cache_capacity(const dflash_cache * cache, int il);  // rows kept by layer il
 LLAMA_API int    dflash_cache_n_rows(const dflash_cache * cache, int il);    // rows held now
 LLAMA_API size_t dflash_cache_size_bytes(const dflash_cache * cache);
@@ -98,8 +100,10 @@ LLAMA_API int  dflash_capture_n_rows(const dflash_capture * capture);
 LLAMA_API dflash_seq * dflash_seq_init(dflash_draft * draft, llama_context * ctx, int cross_ctx, bool full_attention,
                                        llama_seq_id seq_id);
 LLAMA_API void dflash_seq_free(dflash_seq * seq);
-// Forget all context rows (a new request on this sequence).
+// Forget all context rows, or those at positions >= pos (a new request that reuses the first
+// pos tokens of the last one's prompt).
 LLAMA_API void dflash_seq_reset(dflash_seq * seq);
+LLAMA_API void dflash_seq_truncate(dflash_seq * seq, llama_pos pos);
 // Commit rows (indices into the last pass's captured rows) at positions pos0, pos0+1, ...
 LLAMA_API int  dflash_seq_commit(dflash_seq * seq, const dflash_capture * capture, const int32_t * rows, int n_rows,
                                  llama_pos pos0);

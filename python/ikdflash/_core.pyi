@@ -50,8 +50,11 @@ class Draft:
     def cache_layout(self, cross_ctx: int, full_attention: bool = False) -> dict[str, Any]:
         """capacity (rows per layer) and bytes of a cross-context, from its allocation."""
     def forward(self, features: npt.ArrayLike, positions: npt.ArrayLike, first_token: int, start: int,
-                cross_ctx: int = 0, full_attention: bool = False) -> tuple[npt.NDArray[np.float32], list[int]]:
-        """One draft step over these context rows: (logits [block, vocab], argmax of rows 1..)."""
+                cross_ctx: int = 0, full_attention: bool = False, truncate_at: int = -1,
+                then_features: npt.ArrayLike | None = None,
+                then_positions: npt.ArrayLike | None = None) -> tuple[npt.NDArray[np.float32], list[int]]:
+        """One draft step over these context rows: (logits [block, vocab], argmax of rows 1..).
+        truncate_at >= 0 drops the rows at positions >= it first; then_* rows are appended after."""
 
 class Engine:
     """The speculative loop on a target Model (draft None: the target alone)."""
