@@ -595,7 +595,6 @@ void append_rows(dflash_draft & d, dflash_cache & c, const float * features, con
         if (cl.capacity > 0) {
             cl.next = (cl.next + n) % cl.capacity;
             cl.n_used = std::min(cl.capacity, cl.n_used + n);
-            cl.n_filled = std::min(cl.capacity, cl.n_filled + n);
         }
     }
     for (const pending & u : updates) {
@@ -603,6 +602,8 @@ void append_rows(dflash_draft & d, dflash_cache & c, const float * features, con
         for (int i = 0; i < u.count; ++i) {
             cl.slot_pos[(u.slot + i) % cl.capacity] = pos[u.first + i];
         }
+        // slots past n_filled were never written: a write after a truncation can stay below it
+        cl.n_filled = u.slot + u.count > cl.capacity ? cl.capacity : std::max(cl.n_filled, u.slot + u.count);
     }
 }
 
