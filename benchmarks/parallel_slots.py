@@ -16,29 +16,14 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import threading
 from pathlib import Path
 
 from ikdflash import Server
-from ikdflash.client import post_json
+from ikdflash.client import post_json, post_json_concurrently
 from ikdflash.tinymodels import write_tiny_model
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog, and the cat sat on the mat. " * 3,
            "once upon a time there was a little server that could. " * 3]
-
-
-def concurrent_replies(url: str, bodies: list[dict]) -> list[str]:
-    replies = [""] * len(bodies)
-
-    def send(i: int) -> None:
-        replies[i] = post_json(url + "/completion", bodies[i])["content"]
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return replies
 
 
 def main() -> None:
@@ -57,7 +42,8 @@ def main() -> None:
         for parallel in (1, 2):
             extra = common + ["--parallel", str(parallel), "--model-draft", str(draft), "--draft-max", "4"]
             with Server(target, ctx_size=1024 * parallel, n_threads=2, extra_args=extra) as url:
-                matches = [concurrent_replies(url, bodies) == reference for _ in range(args.rounds)]
+                matches = [[r["content"] for r in post_json_concurrently(url + "/completion", bodies)] == reference
+                           for _ in range(args.rounds)]
             print(f"--parallel {parallel}: {sum(matches)}/{len(matches)} rounds equal to plain decoding "
                   f"({' '.join('=' if m else 'x' for m in matches)})")
 

@@ -4,13 +4,12 @@ HTTP, draft statistics in every response, and every bad flag refused with its re
 from __future__ import annotations
 
 import json
-import threading
 import urllib.request
 
 import pytest
 
 from ikdflash import Server, ServerError, build_info
-from ikdflash.client import post_json
+from ikdflash.client import post_json, post_json_concurrently
 from ikdflash.spectype import SpecType
 from gguf_edit import rewrite
 
@@ -131,21 +130,6 @@ def test_statistics_add_up_and_reach_metrics(oracle_pair, tmp_path):
     assert "dflash: cross_ctx = 64, block = 8" in (tmp_path / "s.log").read_text()
 
 
-def concurrent(url: str, bodies: list[dict]) -> list[dict]:
-    """POST every body to /completion at the same time; the replies, in order."""
-    replies: list[dict] = [{} for _ in bodies]
-
-    def send(i: int) -> None:
-        replies[i] = post_json(url + "/completion", bodies[i])
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return replies
-
-
 TWO_PROMPTS = [PROMPT, "once upon a time there was a little server that could. " * 3]
 
 
@@ -163,7 +147,7 @@ def test_concurrent_requests_are_lossless(pairs, tmp_path, arch, parallel):
         expected = [post_json(url + "/completion", b) for b in bodies]
     args = dflash_args(draft) + ["--parallel", str(parallel)]
     with Server(target, ctx_size=CTX * parallel, n_threads=2, log_file=tmp_path / "spec.log", extra_args=args) as url:
-        rounds = [concurrent(url, bodies) for _ in range(3)]
+        rounds = [post_json_concurrently(url + "/completion", bodies) for _ in range(3)]
     for replies in rounds:
         for got, want in zip(replies, expected, strict=True):
             assert got["content"] == want["content"]

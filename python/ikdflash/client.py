@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -28,6 +29,12 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[st
             return json.loads(response.read())
     except urllib.error.HTTPError as e:
         raise ServerError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')}") from None
+
+
+def post_json_concurrently(url: str, bodies: Sequence[dict[str, Any]], timeout: float = 300.0) -> list[dict[str, Any]]:
+    """POST every body to url at the same time (one thread each); the replies, in order."""
+    with ThreadPoolExecutor(max_workers=max(1, len(bodies))) as pool:
+        return list(pool.map(lambda body: post_json(url, body, timeout), bodies))
 
 
 def complete(base_url: str, prompt: str | Sequence[int], *, max_tokens: int = 64, temperature: float = 0.0,
