@@ -4,6 +4,7 @@ HTTP, draft statistics in every response, and every bad flag refused with its re
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 
 import pytest
@@ -163,7 +164,6 @@ def test_concurrent_requests_are_lossless(pairs, tmp_path, arch, parallel):
 def test_a_cached_prompt_prefix_keeps_its_draft_context(pairs, tmp_path, arch):
     """A request that extends the last one's prompt: the server reuses the cached prefix, and the
     draft keeps the context rows of that prefix instead of starting empty (lossless either way)."""
-    import re
     target, draft = pairs[arch]
     bodies = [{"prompt": p, "n_predict": 16, "temperature": 0, "ignore_eos": True, "cache_prompt": True}
               for p in (PROMPT, PROMPT + "and then the fox ran home. ")]
