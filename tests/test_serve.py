@@ -253,7 +253,7 @@ def test_serve_takes_hub_references(hub_cache):
     assert out.returncode == 0, out.stderr
     assert "target-F32.gguf" in out.stdout and "--model-draft" in out.stdout
     assert "--pair names both models" in serve("--pair", "tiny-pair", "--target", "x.gguf", "--dry-run").stderr
-    assert "give --target and --draft, or --pair" in serve("--target", "x.gguf", "--dry-run").stderr
+    assert "give --target and --draft together, or --pair" in serve("--target", "x.gguf", "--dry-run").stderr
 
 
 def test_bench_takes_a_pair(hub_cache):
@@ -261,5 +261,5 @@ def test_bench_takes_a_pair(hub_cache):
                           "--threads", "2"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "window 8" in out.stdout
-    out = subprocess.run(["ikdflash", "bench", "--lengths", "16"], capture_output=True, text=True)
-    assert out.returncode == 2 and "give --target and --draft, or --pair" in out.stderr
+    out = subprocess.run(["ikdflash", "bench", "--draft", "d.gguf", "--lengths", "16"], capture_output=True, text=True)
+    assert out.returncode == 2 and "give --target and --draft together, or --pair" in out.stderr

@@ -10,6 +10,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <memory>
 #include <optional>
 
 namespace ikdflash {
@@ -228,6 +229,72 @@ py::array_t<float> attention_mask(std::vector<int32_t> key_positions, int start,
 }
 
 }  // namespace
+
+// The target's outputs at layer_ids for every position of tokens (one fresh pass, the KV cache
+// cleared first), and the target's greedy next token at each position: the training data of a
+// draft, from the same capture the speculative loop uses.
+py::tuple layer_features(Model & model, const std::vector<llama_token> & tokens, const std::vector<int32_t> & layer_ids) {
+    llama_context * ctx = model.raw_context();
+    model.check_tokens(tokens);
+    const int n = (int) tokens.size();
+    if (n == 0) {
+        throw py::value_error("tokens is empty: give at least one token");
+    }
+    if (n > (int) llama_n_ctx(ctx)) {
+        throw py::value_error(std::to_string(n) + " tokens do not fit the context of " +
+                              std::to_string(llama_n_ctx(ctx)) + ": load the model with a larger n_ctx");
+    }
+    if (layer_ids.empty()) {
+        throw py::value_error("layer_ids is empty: name at least one target layer");
+    }
+    std::unique_ptr<dflash_capture, decltype(&dflash_capture_free)> capture(
+        dflash_capture_init_layers(ctx, layer_ids.data(), (int) layer_ids.size()), &dflash_capture_free);
+    if (!capture) {
+        throw py::value_error(dflash_last_error());
+    }
+    const int width = (int) layer_ids.size() * model.n_embd();
+    const int n_vocab = model.n_vocab();
+    py::array_t<float> features({n, width});
+    py::array_t<int32_t> greedy(n);
+    float * feat = features.mutable_data();
+    int32_t * next = greedy.mutable_data();
+    std::string error;
+    {
+        py::gil_scoped_release release;
+        const int n_batch = (int) llama_n_batch(ctx);
+        llama_batch batch = llama_batch_init(n_batch, 0, 1);
+        llama_kv_cache_clear(ctx);
+        for (int i = 0; i < n && error.empty(); i += n_batch) {
+            const int m = std::min(n_batch, n - i);
+            batch.n_tokens = m;
+            for (int j = 0; j < m; ++j) {
+                batch.token[j] = tokens[i + j];
+                batch.pos[j] = i + j;
+                batch.n_seq_id[j] = 1;
+                batch.seq_id[j][0] = 0;
+                batch.logits[j] = true;
+            }
+            dflash_capture_begin(capture.get(), true);
+            const int rc = llama_decode(ctx, batch);
+            dflash_capture_begin(capture.get(), false);
+            if (rc != 0 || dflash_capture_n_rows(capture.get()) != m) {
+                error = "the target's decode failed (code " + std::to_string(rc) + ") at position " + std::to_string(i);
+            } else if (dflash_capture_features(capture.get(), feat + (size_t) i * width, m) != 0) {
+                error = dflash_last_error();
+            }
+            for (int j = 0; j < m && error.empty(); ++j) {
+                const float * logits = llama_get_logits_ith(ctx, j);
+                next[i + j] = (int32_t) (std::max_element(logits, logits + n_vocab) - logits);
+            }
+        }
+        llama_batch_free(batch);
+        llama_kv_cache_clear(ctx);
+    }
+    if (!error.empty()) {
+        throw std::runtime_error(model.path() + ": " + error);
+    }
+    return py::make_tuple(features, greedy);
+}
 
 void bind_dflash(py::module_ & m) {
     py::class_<Draft>(m, "Draft")

@@ -398,12 +398,28 @@ int dflash_engine_generate(dflash_engine * engine, const llama_token * prompt, i
 // --- pieces --------------------------------------------------------------------------------------
 
 dflash_capture * dflash_capture_init(llama_context * ctx, const dflash_draft * draft) {
+    std::vector<int32_t> ids;
+    for (int i = 0; i < dflash_draft_n_target_layers(draft); ++i) {
+        ids.push_back(dflash_draft_target_layer_id(draft, i));
+    }
+    return dflash_capture_init_layers(ctx, ids.data(), (int) ids.size());
+}
+
+dflash_capture * dflash_capture_init_layers(llama_context * ctx, const int32_t * layer_ids, int n_layers) {
+    const int n_target_layers = llama_n_layer(llama_get_model(ctx));
+    for (int i = 0; i < n_layers; ++i) {
+        // the last layer's graph keeps only the rows that produce logits
+        if (layer_ids[i] < 0 || layer_ids[i] >= n_target_layers - 1) {
+            dflash_impl::last_error = "target layer id " + std::to_string(layer_ids[i]) + " is outside 0.." +
+                                      std::to_string(n_target_layers - 2) + " (the target has " +
+                                      std::to_string(n_target_layers) + " layers; the last is not captured)";
+            return nullptr;
+        }
+    }
     auto c = std::make_unique<dflash_capture>();
     c->ctx = ctx;
     c->n_embd = llama_model_n_embd(llama_get_model(ctx));
-    for (int i = 0; i < dflash_draft_n_target_layers(draft); ++i) {
-        c->layer_ids.push_back(dflash_draft_target_layer_id(draft, i));
-    }
+    c->layer_ids.assign(layer_ids, layer_ids + n_layers);
     c->rows.resize(c->layer_ids.size());
     // every graph build re-installs the callback from cparams, so setting it there is enough
     c->previous_cb = ctx->cparams.cb_eval;
@@ -425,6 +441,19 @@ void dflash_capture_begin(dflash_capture * capture, bool active) {
 }
 
 int dflash_capture_n_rows(const dflash_capture * capture) { return capture->n_rows(); }
+
+int dflash_capture_features(const dflash_capture * capture, float * out, int n_rows) {
+    return guarded([&]() -> int {
+        std::vector<int32_t> idx(n_rows);
+        for (int i = 0; i < n_rows; ++i) {
+            idx[i] = i;
+        }
+        std::vector<float> rows;
+        capture->feature_rows(idx.data(), n_rows, rows);
+        std::copy(rows.begin(), rows.end(), out);
+        return 0;
+    }, -1);
+}
 
 dflash_seq * dflash_seq_init(dflash_draft * draft, llama_context * ctx, int cross_ctx, bool full_attention,
                              llama_seq_id seq_id) {

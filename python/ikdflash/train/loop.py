@@ -1,0 +1,249 @@
+"""The DFlash training recipe on data from `ikdflash.train.data`.
+
+Each step takes a few sequences and, in each, random anchor positions a among its assistant rows.
+Block i is [token a_i, mask x (B-1)] at positions a_i..a_i+B-1 and sees the context rows before
+a_i; block position j is trained towards the token the target would emit there, with a loss
+weight that decays with j. Labels ("target", the default) are the target's greedy tokens: position
+j is the target's argmax after row a+j-1, kept only while the text from a+1 to a+j-1 is what the
+target itself would have said (at inference a later position counts only once every earlier one
+was accepted, and then the context *is* the target's own text). "corpus" trains on the text's own
+next tokens instead.
+
+The embedding and head stay the target's, frozen. The head may be cut to the ids the labels use
+most (head_vocab), which makes a step several times cheaper; the shipped draft still scores the
+whole vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from ikdflash.train.data import Dataset
+from ikdflash.train.draft import DraftModel, decay_weights
+
+LABELS = ("target", "corpus")
+
+
+@dataclass
+class TrainSettings:
+    minutes: float                 # budget of this run (resumed runs add their own)
+    seed: int = 0
+    lr: float = 6e-4
+    warmup_steps: int = 100
+    sequences_per_step: int = 4
+    anchors_per_sequence: int = 48
+    gamma: float = 4.0             # loss weight exp(-(j-1)/gamma) at block position j
+    labels: str = "target"
+    head_vocab: int = 16384        # 0: the whole vocabulary
+    n_max: int = 4                 # drafted tokens the running acceptance estimate counts
+    checkpoint_minutes: float = 5.0
+    max_steps: int | None = None
+    n_threads: int | None = None
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    seconds: float = 0.0
+    history: list = field(default_factory=list)  # (step, seconds, loss, tau estimate)
+
+
+class Batches:
+    """Random (sequence, anchors) batches: anchors on assistant rows with at least one label."""
+
+    def __init__(self, data: Dataset, block_size: int, mask_token: int, settings: TrainSettings,
+                 label_map: np.ndarray) -> None:
+        self.data, self.B, self.mask, self.s = data, block_size, mask_token, settings
+        self.label_map = label_map
+        self.sequences = []
+        weights = []
+        for start, length in np.asarray(data.index):
+            trainable = np.asarray(data.trainable[start:start + length - 1]).astype(bool)
+            trainable[0] = False  # a block needs at least one context row
+            candidates = np.flatnonzero(trainable)
+            if len(candidates):
+                self.sequences.append((int(start), int(length), candidates))
+                weights.append(len(candidates))
+        if not self.sequences:
+            raise ValueError(f"{data.folder}: no sequence has an assistant row to train on")
+        self.p = np.array(weights, dtype=np.float64) / sum(weights)
+
+    def labels(self, start: int, length: int, a: int) -> tuple[np.ndarray, np.ndarray]:
+        """Labels and validity of block positions 1..B-1 for anchor a."""
+        B = self.B
+        lab = np.zeros(B - 1, dtype=np.int64)
+        ok = np.zeros(B - 1, dtype=bool)
+        tokens = self.data.tokens[start:start + length]
+        greedy = self.data.greedy[start:start + length]
+        for j in range(1, B):
+            if self.s.labels == "corpus":
+                if a + j >= length:
+                    break
+                lab[j - 1] = tokens[a + j]
+            else:
+                if a + j - 1 >= length or (j > 1 and tokens[a + j - 1] != greedy[a + j - 2]):
+                    break  # beyond here the text has left the target's own path
+                lab[j - 1] = greedy[a + j - 1]
+            ok[j - 1] = True
+        mapped = self.label_map[lab]
+        return mapped, ok & (mapped >= 0)
+
+    def sample(self, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+        S, A, B = self.s.sequences_per_step, self.s.anchors_per_sequence, self.B
+        picks = rng.choice(len(self.sequences), size=S, p=self.p)
+        anchors = np.full((S, A), -1, dtype=np.int64)
+        for i, k in enumerate(picks):
+            candidates = self.sequences[k][2]
+            chosen = rng.choice(candidates, size=min(A, len(candidates)), replace=False)
+            anchors[i, :len(chosen)] = np.sort(chosen)
+        L = int(anchors.max())  # context rows needed: those before the furthest anchor
+        features = np.zeros((S, L, self.data.width), dtype=np.float32)
+        block = np.full((S, A, B), self.mask, dtype=np.int64)
+        labels = np.zeros((S, A, B - 1), dtype=np.int64)
+        valid = np.zeros((S, A, B - 1), dtype=bool)
+        for i, k in enumerate(picks):
+            start, length, _ = self.sequences[k]
+            n_ctx = min(L, length)
+            features[i, :n_ctx] = self.data.features[start:start + n_ctx]
+            for j, a in enumerate(anchors[i]):
+                if a < 0:
+                    continue
+                block[i, j, 0] = self.data.tokens[start + a]
+                labels[i, j], valid[i, j] = self.labels(start, length, int(a))
+        return {"features": torch.from_numpy(features), "block": torch.from_numpy(block),
+                "anchors": torch.from_numpy(anchors), "labels": torch.from_numpy(labels),
+                "valid": torch.from_numpy(valid)}
+
+
+def head_subset(data: Dataset, vocab: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ids the data's labels use most (all ids when size is 0 or covers them), and the map
+    from a vocabulary id to its row in the cut head (-1: not in it)."""
+    if size <= 0 or size >= vocab:
+        ids = np.arange(vocab)
+    else:
+        counts = np.bincount(np.asarray(data.greedy), minlength=vocab) + np.bincount(np.asarray(data.tokens), minlength=vocab)
+        ids = np.sort(np.argsort(-counts, kind="stable")[:size])
+    label_map = np.full(vocab, -1, dtype=np.int64)
+    label_map[ids] = np.arange(len(ids))
+    return ids, label_map
+
+
+def step_loss(model: DraftModel, batch: dict[str, torch.Tensor], head: torch.Tensor, weights: torch.Tensor,
+              n_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted cross-entropy over valid block positions, and each anchor's accepted length
+    (consecutive argmax hits at positions 1..n_max, -1 for unused anchors)."""
+    S, A = batch["anchors"].shape
+    B = model.cfg.block_size
+    hidden = model.hidden(batch["features"], batch["block"], batch["anchors"]).view(S, A, B, -1)[:, :, 1:]
+    valid = batch["valid"]
+    logits = hidden[valid] @ head.T
+    w = weights.expand(S, A, B - 1)[valid]
+    loss = (F.cross_entropy(logits, batch["labels"][valid], reduction="none") * w).sum() / w.sum().clamp(min=1e-9)
+    with torch.no_grad():
+        hit = torch.zeros(S, A, B - 1, dtype=torch.bool)
+        hit[valid] = logits.argmax(-1) == batch["labels"][valid]
+        accepted = hit[:, :, :n_max].to(torch.int64).cumprod(-1).sum(-1)
+        accepted[batch["anchors"] < 0] = -1
+    return loss, accepted
+
+
+def _lr(settings: TrainSettings, step: int, fraction: float) -> float:
+    """Warm-up, then flat, then a linear fall to 10% over the last quarter of the budget."""
+    warm = min(1.0, (step + 1) / settings.warmup_steps)
+    tail = 1.0 if fraction < 0.75 else 1.0 - 0.9 * min(1.0, (fraction - 0.75) / 0.25)
+    return settings.lr * warm * tail
+
+
+def train(model: DraftModel, data: Dataset, settings: TrainSettings, checkpoint: str | os.PathLike[str],
+          *, progress: bool = True) -> TrainState:
+    """Train for settings.minutes (or max_steps), resuming from checkpoint when it exists."""
+    if settings.minutes <= 0:
+        raise ValueError(f"--minutes must be positive, got {settings.minutes}")
+    if settings.labels not in LABELS:
+        raise ValueError(f"labels must be one of {', '.join(LABELS)}, got {settings.labels!r}")
+    if settings.n_threads:
+        torch.set_num_threads(settings.n_threads)
+    torch.manual_seed(settings.seed)
+    cfg = model.cfg
+    ids, label_map = head_subset(data, cfg.vocab_size, settings.head_vocab)
+    head = model.head[torch.from_numpy(ids)]
+    weights = decay_weights(cfg.block_size, settings.gamma)
+    batches = Batches(data, cfg.block_size, cfg.mask_token_id, settings, label_map)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=settings.lr,
+                                  betas=(0.9, 0.95), weight_decay=0.01)
+    state = TrainState()
+    rng = np.random.default_rng(settings.seed)
+    if os.path.exists(checkpoint):
+        try:
+            saved = torch.load(checkpoint, weights_only=False)
+        except Exception as e:  # torch raises pickle, zip and runtime errors alike
+            raise ValueError(f"{checkpoint}: not a training checkpoint ({e}); delete it to start over") from None
+        if saved.get("config") != cfg.to_json():
+            raise ValueError(f"{checkpoint}: made for another draft configuration; use another --out folder")
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        state = saved["state"]
+        rng.bit_generator.state = saved["rng"]
+        torch.set_rng_state(saved["torch_rng"])
+
+    def save() -> None:
+        tmp = f"{checkpoint}.tmp"
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
+                    "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
+                    "config": cfg.to_json()}, tmp)
+        os.replace(tmp, checkpoint)
+
+    budget = settings.minutes * 60
+    seconds_before = state.seconds
+    t0 = last_save = last_report = time.monotonic()
+    run_steps = 0
+    window: list[tuple[float, float]] = []  # (loss, tau estimate) of the steps since the last report
+    model.train()
+    while True:
+        elapsed = time.monotonic() - t0
+        if elapsed >= budget or (settings.max_steps is not None and run_steps >= settings.max_steps):
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(settings, state.step, elapsed / budget)
+        batch = batches.sample(rng)
+        loss, accepted = step_loss(model, batch, head, weights, settings.n_max)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        state.step += 1
+        run_steps += 1
+        used = accepted[accepted >= 0]
+        window.append((loss.item(), 1.0 + used.float().mean().item() if used.numel() else 1.0))
+        now = time.monotonic()
+        state.seconds = seconds_before + now - t0
+        if now - last_report >= 30 or run_steps == 1:
+            report(state, window, progress, f"{(now - t0) / 60:.1f}/{settings.minutes:g} min")
+            last_report = now
+        if now - last_save >= settings.checkpoint_minutes * 60:
+            save()
+            last_save = now
+    report(state, window, progress, "done")
+    save()
+    return state
+
+
+def report(state: TrainState, window: list[tuple[float, float]], progress: bool, when: str) -> None:
+    """Record the mean loss and running acceptance estimate (tau at n_max, on training batches)
+    of the steps since the last record."""
+    if not window:
+        return
+    loss = sum(w[0] for w in window) / len(window)
+    tau = sum(w[1] for w in window) / len(window)
+    state.history.append((state.step, round(state.seconds, 1), loss, tau))
+    window.clear()
+    if progress:
+        print(f"train: step {state.step}  loss {loss:.3f}  tau~{tau:.2f}  {when}", file=sys.stderr, flush=True)

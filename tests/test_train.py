@@ -1,0 +1,133 @@
+"""ikdflash train on a tiny target: the fork's features, a short real training run whose checkpoint
+the reference loads and whose GGUF computes what the checkpoint computes, resumption, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from ikdflash import _core  # noqa: E402
+from ikdflash.cli import main  # noqa: E402
+from ikdflash.tinydraft import write_hf_target  # noqa: E402
+
+WORDS = ("the river town bridge water spring flood history people built argued watched each "
+         "generation stone wooden old new north south market square bell tower morning evening").split()
+
+
+def write_corpus(path, n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            turns = []
+            for _ in range(2):
+                turns.append({"from": "human", "value": " ".join(rng.choice(WORDS, 12))})
+                turns.append({"from": "gpt", "value": " ".join(rng.choice(WORDS, 40))})
+            f.write(json.dumps({"id": f"c{i}", "conversations": turns}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def trained(target, tmp_path_factory):
+    """One short training run: (run folder, command line)."""
+    folder = tmp_path_factory.mktemp("train")
+    corpus = write_corpus(folder / "chats.jsonl", 60)
+    argv = ["train", "--target", str(target), "--out", str(folder / "run"), "--corpus", str(corpus),
+            "--minutes", "5", "--max-steps", "60", "--data-rows", "3000", "--seq-len", "256", "--window", "8",
+            "--layers", "2", "--init", "random", "--head-vocab", "0", "--outtype", "f32", "--lr", "3e-3",
+            "--eval-prompts", "3", "--eval-tokens", "24", "--threads", "2"]
+    assert main(argv) == 0
+    return folder / "run", argv
+
+
+def test_layer_features_are_the_targets_own(target):
+    model = _core.Model(str(target), n_ctx=256, n_batch=16)
+    prompt = model.tokenize("the river town and its bridges", add_special=True)
+    continuation = model.generate_greedy(prompt, 12, stop_at_eog=False)
+    tokens = prompt + continuation
+    features, greedy = model.layer_features(tokens, [0, 2])
+    assert features.shape == (len(tokens), 2 * model.n_embd) and features.dtype == np.float32
+    # the greedy token after each prompt position is what greedy decoding produced
+    assert list(greedy[len(prompt) - 1:-1]) == continuation
+    # rows do not depend on how the sequence was cut into batches (n_batch 16 here, 256 below)
+    whole = _core.Model(str(target), n_ctx=256, n_batch=256)
+    np.testing.assert_allclose(whole.layer_features(tokens, [0, 2])[0], features, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="outside 0..2"):
+        model.layer_features(tokens, [3])
+    with pytest.raises(ValueError, match="do not fit the context"):
+        model.layer_features(tokens * 20, [0])
+
+
+def test_training_lowers_the_loss_and_measures_acceptance(trained):
+    run, _ = trained
+    report = json.loads((run / "report.json").read_text())
+    history = report["history"]
+    assert history[0][0] == 1 and history[-1][0] == 60
+    assert history[-1][2] < 0.8 * history[0][2]
+    held_out = report["held_out"]
+    assert held_out["steps"] > 0 and len(held_out["per_position"]) == 4
+    assert report["config"]["layer_types"] == ["sliding_attention", "full_attention"]
+
+
+def test_the_reference_loads_the_checkpoint_and_the_gguf_computes_the_same(trained, target, tmp_path):
+    from reference import ReferenceDraft
+
+    run, _ = trained
+    hf_target = write_hf_target(tmp_path / "target-hf", target)
+    reference = ReferenceDraft(run / "draft-hf", hf_target)
+    model = _core.Model(str(target), n_ctx=256)
+    draft = _core.Draft(model, str(run / "draft.gguf"))
+    features = np.random.default_rng(3).standard_normal((20, draft.info()["n_target_features"])).astype(np.float32)
+    logits, tokens = draft.forward(features, np.arange(20, dtype=np.int32), 65, 20)
+    ref = reference.logits(features, 65, 20)
+    assert float(np.max(np.abs(logits - ref)) / np.max(np.abs(ref))) <= 1e-4
+    assert tokens == list(ref[1:].argmax(axis=1))
+
+
+def test_a_second_run_resumes(trained):
+    run, argv = trained
+    again = list(argv)
+    again[again.index("--max-steps") + 1] = "5"
+    assert main(again + ["--eval-prompts", "0"]) == 0
+    history = json.loads((run / "report.json").read_text())["history"]
+    assert history[-1][0] == 65
+
+
+def test_bad_input_is_refused(trained, target, tmp_path, capsys):
+    run, argv = trained
+    base = ["train", "--target", str(target), "--threads", "2"]
+
+    assert main(base + ["--out", str(tmp_path / "a"), "--minutes", "0"]) == 2
+    assert "--minutes must be positive" in capsys.readouterr().err
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(base + ["--out", str(tmp_path / "b"), "--corpus", str(empty)]) == 2
+    assert "no conversation with a user turn" in capsys.readouterr().err
+
+    # the run folder's data was made for another target
+    other = tmp_path / "other.gguf"
+    from ikdflash.tinymodels import write_tiny_model
+    write_tiny_model(other, arch="llama", n_embd=32, n_head=2, n_head_kv=1)
+    swapped = list(argv)
+    swapped[swapped.index("--target") + 1] = str(other)
+    assert main(swapped) == 2
+    assert "holds data made with" in capsys.readouterr().err
+
+    corrupt = tmp_path / "c"
+    (corrupt).mkdir()
+    import shutil
+    shutil.copytree(run / "data", corrupt / "data")
+    (corrupt / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    bad = list(argv)
+    bad[bad.index("--out") + 1] = str(corrupt)
+    assert main(bad) == 2
+    assert "checkpoint.pt" in capsys.readouterr().err
