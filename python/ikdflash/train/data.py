@@ -173,8 +173,11 @@ def build(target: str | os.PathLike[str], conversations: Iterable[Conversation],
     request = {"target": os.path.basename(os.fspath(target)), "n_embd": model.n_embd, "n_vocab": model.n_vocab,
                "layer_ids": list(layer_ids), "width": len(layer_ids) * model.n_embd, "kind": kind,
                "seq_len": seq_len}
-    writer = _Writer(folder, _start_meta(folder, request))
-    meta = writer.meta
+    meta = _start_meta(folder, request)
+    if meta["n_rows"] >= max_rows:  # already there: leave the folder untouched (runs may share it)
+        engine.close()
+        return open_dataset(folder)
+    writer = _Writer(folder, meta)
     t_start = t_report = time.monotonic()
     seconds_before, rows_at_start = meta["seconds"], meta["n_rows"]
     try:

@@ -71,7 +71,8 @@ class DraftConfig:
         }
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """The architecture, without the notes (a resumed run must match it exactly)."""
+        return {k: v for k, v in asdict(self).items() if k != "extra"}
 
 
 class RMSNorm(nn.Module):
@@ -243,10 +244,14 @@ def unpermute_llama_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def init_from_target_layers(model: DraftModel, target_layers: Sequence[dict[str, np.ndarray]], arch: str) -> None:
-    """Start draft layer i from target layer weights (dequantized GGUF tensors by short name)."""
+def init_from_target_layers(model: DraftModel, target_layers: Sequence[dict[str, np.ndarray]], arch: str,
+                            output_norm: np.ndarray | None = None) -> None:
+    """Start draft layer i from target layer weights (dequantized GGUF tensors by short name), and
+    the final norm from the target's, whose head the draft borrows."""
     cfg = model.cfg
     with torch.no_grad():
+        if output_norm is not None:
+            model.norm.weight.copy_(torch.from_numpy(np.asarray(output_norm, dtype=np.float32)))
         for layer, w in zip(model.layers, target_layers):
             q, k = w["attn_q.weight"], w["attn_k.weight"]
             if arch == "llama":

@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -45,6 +46,7 @@ class TrainSettings:
     head_vocab: int = 16384        # 0: the whole vocabulary
     n_max: int = 4                 # drafted tokens the running acceptance estimate counts
     checkpoint_minutes: float = 5.0
+    snapshot_minutes: float = 0.0  # also keep the draft every so many minutes (0: never), for learning curves
     max_steps: int | None = None
     n_threads: int | None = None
 
@@ -57,32 +59,35 @@ class TrainState:
 
 
 class Batches:
-    """Random (sequence, anchors) batches: anchors on assistant rows with at least one label."""
+    """Random (sequence, anchors) batches over one or more data folders: anchors on assistant rows
+    with at least one label, sequences drawn in proportion to their anchors."""
 
-    def __init__(self, data: Dataset, block_size: int, mask_token: int, settings: TrainSettings,
+    def __init__(self, datasets: Sequence[Dataset], block_size: int, mask_token: int, settings: TrainSettings,
                  label_map: np.ndarray) -> None:
-        self.data, self.B, self.mask, self.s = data, block_size, mask_token, settings
+        self.datasets, self.B, self.mask, self.s = list(datasets), block_size, mask_token, settings
         self.label_map = label_map
-        self.sequences = []
+        self.width = self.datasets[0].width
+        self.sequences = []  # (dataset, first row, length, anchor candidates)
         weights = []
-        for start, length in np.asarray(data.index):
-            trainable = np.asarray(data.trainable[start:start + length - 1]).astype(bool)
-            trainable[0] = False  # a block needs at least one context row
-            candidates = np.flatnonzero(trainable)
-            if len(candidates):
-                self.sequences.append((int(start), int(length), candidates))
-                weights.append(len(candidates))
+        for data in self.datasets:
+            if data.width != self.width:
+                raise ValueError(f"{data.folder}: features of width {data.width}, not {self.width} like the others")
+            for start, length in np.asarray(data.index):
+                trainable = np.asarray(data.trainable[start:start + length - 1]).astype(bool)
+                trainable[0] = False  # a block needs at least one context row
+                candidates = np.flatnonzero(trainable)
+                if len(candidates):
+                    self.sequences.append((data, int(start), int(length), candidates))
+                    weights.append(len(candidates))
         if not self.sequences:
-            raise ValueError(f"{data.folder}: no sequence has an assistant row to train on")
+            raise ValueError("no sequence in the data has an assistant row to train on")
         self.p = np.array(weights, dtype=np.float64) / sum(weights)
 
-    def labels(self, start: int, length: int, a: int) -> tuple[np.ndarray, np.ndarray]:
-        """Labels and validity of block positions 1..B-1 for anchor a."""
-        B = self.B
+    def labels(self, tokens: np.ndarray, greedy: np.ndarray, a: int) -> tuple[np.ndarray, np.ndarray]:
+        """Labels and validity of block positions 1..B-1 for anchor a of one sequence."""
+        B, length = self.B, len(tokens)
         lab = np.zeros(B - 1, dtype=np.int64)
         ok = np.zeros(B - 1, dtype=bool)
-        tokens = self.data.tokens[start:start + length]
-        greedy = self.data.greedy[start:start + length]
         for j in range(1, B):
             if self.s.labels == "corpus":
                 if a + j >= length:
@@ -98,38 +103,38 @@ class Batches:
 
     def sample(self, rng: np.random.Generator) -> dict[str, torch.Tensor]:
         S, A, B = self.s.sequences_per_step, self.s.anchors_per_sequence, self.B
-        picks = rng.choice(len(self.sequences), size=S, p=self.p)
+        picks = [self.sequences[k] for k in rng.choice(len(self.sequences), size=S, p=self.p)]
         anchors = np.full((S, A), -1, dtype=np.int64)
-        for i, k in enumerate(picks):
-            candidates = self.sequences[k][2]
+        for i, (_, _, _, candidates) in enumerate(picks):
             chosen = rng.choice(candidates, size=min(A, len(candidates)), replace=False)
             anchors[i, :len(chosen)] = np.sort(chosen)
         L = int(anchors.max())  # context rows needed: those before the furthest anchor
-        features = np.zeros((S, L, self.data.width), dtype=np.float32)
+        features = np.zeros((S, L, self.width), dtype=np.float32)
         block = np.full((S, A, B), self.mask, dtype=np.int64)
         labels = np.zeros((S, A, B - 1), dtype=np.int64)
         valid = np.zeros((S, A, B - 1), dtype=bool)
-        for i, k in enumerate(picks):
-            start, length, _ = self.sequences[k]
+        for i, (data, start, length, _) in enumerate(picks):
             n_ctx = min(L, length)
-            features[i, :n_ctx] = self.data.features[start:start + n_ctx]
+            features[i, :n_ctx] = data.features[start:start + n_ctx]
+            tokens = np.asarray(data.tokens[start:start + length])
+            greedy = np.asarray(data.greedy[start:start + length])
             for j, a in enumerate(anchors[i]):
-                if a < 0:
-                    continue
-                block[i, j, 0] = self.data.tokens[start + a]
-                labels[i, j], valid[i, j] = self.labels(start, length, int(a))
+                if a >= 0:
+                    block[i, j, 0] = tokens[a]
+                    labels[i, j], valid[i, j] = self.labels(tokens, greedy, int(a))
         return {"features": torch.from_numpy(features), "block": torch.from_numpy(block),
                 "anchors": torch.from_numpy(anchors), "labels": torch.from_numpy(labels),
                 "valid": torch.from_numpy(valid)}
 
 
-def head_subset(data: Dataset, vocab: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+def head_subset(datasets: Sequence[Dataset], vocab: int, size: int) -> tuple[np.ndarray, np.ndarray]:
     """The ids the data's labels use most (all ids when size is 0 or covers them), and the map
     from a vocabulary id to its row in the cut head (-1: not in it)."""
     if size <= 0 or size >= vocab:
         ids = np.arange(vocab)
     else:
-        counts = np.bincount(np.asarray(data.greedy), minlength=vocab) + np.bincount(np.asarray(data.tokens), minlength=vocab)
+        counts = sum(np.bincount(np.asarray(d.greedy), minlength=vocab) + np.bincount(np.asarray(d.tokens), minlength=vocab)
+                     for d in datasets)
         ids = np.sort(np.argsort(-counts, kind="stable")[:size])
     label_map = np.full(vocab, -1, dtype=np.int64)
     label_map[ids] = np.arange(len(ids))
@@ -148,7 +153,7 @@ def step_loss(model: DraftModel, batch: dict[str, torch.Tensor], head: torch.Ten
     w = weights.expand(S, A, B - 1)[valid]
     loss = (F.cross_entropy(logits, batch["labels"][valid], reduction="none") * w).sum() / w.sum().clamp(min=1e-9)
     with torch.no_grad():
-        hit = torch.zeros(S, A, B - 1, dtype=torch.bool)
+        hit = torch.zeros(S, A, B - 1, dtype=torch.bool, device=valid.device)
         hit[valid] = logits.argmax(-1) == batch["labels"][valid]
         accepted = hit[:, :, :n_max].to(torch.int64).cumprod(-1).sum(-1)
         accepted[batch["anchors"] < 0] = -1
@@ -162,9 +167,10 @@ def _lr(settings: TrainSettings, step: int, fraction: float) -> float:
     return settings.lr * warm * tail
 
 
-def train(model: DraftModel, data: Dataset, settings: TrainSettings, checkpoint: str | os.PathLike[str],
-          *, progress: bool = True) -> TrainState:
-    """Train for settings.minutes (or max_steps), resuming from checkpoint when it exists."""
+def train(model: DraftModel, datasets: Sequence[Dataset], settings: TrainSettings, checkpoint: str | os.PathLike[str],
+          *, progress: bool = True, on_snapshot: Callable[[TrainState], None] | None = None) -> TrainState:
+    """Train for settings.minutes (or max_steps), resuming from checkpoint when it exists;
+    on_snapshot is called every settings.snapshot_minutes of training."""
     if settings.minutes <= 0:
         raise ValueError(f"--minutes must be positive, got {settings.minutes}")
     if settings.labels not in LABELS:
@@ -173,17 +179,19 @@ def train(model: DraftModel, data: Dataset, settings: TrainSettings, checkpoint:
         torch.set_num_threads(settings.n_threads)
     torch.manual_seed(settings.seed)
     cfg = model.cfg
-    ids, label_map = head_subset(data, cfg.vocab_size, settings.head_vocab)
-    head = model.head[torch.from_numpy(ids)]
-    weights = decay_weights(cfg.block_size, settings.gamma)
-    batches = Batches(data, cfg.block_size, cfg.mask_token_id, settings, label_map)
+    ids, label_map = head_subset(datasets, cfg.vocab_size, settings.head_vocab)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # minutes of a GPU are days of this CPU
+    model.to(device)
+    head = model.head[torch.from_numpy(ids).to(device)]
+    weights = decay_weights(cfg.block_size, settings.gamma).to(device)
+    batches = Batches(datasets, cfg.block_size, cfg.mask_token_id, settings, label_map)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=settings.lr,
                                   betas=(0.9, 0.95), weight_decay=0.01)
     state = TrainState()
     rng = np.random.default_rng(settings.seed)
     if os.path.exists(checkpoint):
         try:
-            saved = torch.load(checkpoint, weights_only=False)
+            saved = torch.load(checkpoint, weights_only=False, map_location="cpu")
         except Exception as e:  # torch raises pickle, zip and runtime errors alike
             raise ValueError(f"{checkpoint}: not a training checkpoint ({e}); delete it to start over") from None
         if saved.get("config") != cfg.to_json():
@@ -203,7 +211,7 @@ def train(model: DraftModel, data: Dataset, settings: TrainSettings, checkpoint:
 
     budget = settings.minutes * 60
     seconds_before = state.seconds
-    t0 = last_save = last_report = time.monotonic()
+    t0 = last_save = last_report = last_snapshot = time.monotonic()
     run_steps = 0
     window: list[tuple[float, float]] = []  # (loss, tau estimate) of the steps since the last report
     model.train()
@@ -213,7 +221,7 @@ def train(model: DraftModel, data: Dataset, settings: TrainSettings, checkpoint:
             break
         for group in optimizer.param_groups:
             group["lr"] = _lr(settings, state.step, elapsed / budget)
-        batch = batches.sample(rng)
+        batch = {name: tensor.to(device) for name, tensor in batches.sample(rng).items()}
         loss, accepted = step_loss(model, batch, head, weights, settings.n_max)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -231,6 +239,9 @@ def train(model: DraftModel, data: Dataset, settings: TrainSettings, checkpoint:
         if now - last_save >= settings.checkpoint_minutes * 60:
             save()
             last_save = now
+        if on_snapshot and settings.snapshot_minutes > 0 and now - last_snapshot >= settings.snapshot_minutes * 60:
+            on_snapshot(state)
+            last_snapshot = now
     report(state, window, progress, "done")
     save()
     return state
