@@ -42,7 +42,7 @@ def trained(target, tmp_path_factory):
     corpus = write_corpus(folder / "chats.jsonl", 60)
     argv = ["train", "--target", str(target), "--out", str(folder / "run"), "--corpus", str(corpus),
             "--minutes", "5", "--max-steps", "60", "--data-rows", "3000", "--seq-len", "256", "--window", "8",
-            "--layers", "2", "--init", "random", "--head-vocab", "0", "--outtype", "f32", "--lr", "3e-3",
+            "--layers", "2", "--head-vocab", "0", "--outtype", "f32", "--lr", "3e-3",
             "--eval-prompts", "3", "--eval-tokens", "24", "--threads", "2"]
     assert main(argv) == 0
     return folder / "run", argv
@@ -64,6 +64,32 @@ def test_layer_features_are_the_targets_own(target):
         model.layer_features(tokens, [3])
     with pytest.raises(ValueError, match="do not fit the context"):
         model.layer_features(tokens * 20, [0])
+
+
+def test_target_layers_keep_their_attention_scores_under_neox_rope():
+    """A llama GGUF orders Q/K rows for ggml's interleaved RoPE; the draft rotates NeoX halves.
+    After unpermute_llama_qk, every query-key score is the one the target computes."""
+    from ikdflash.train.draft import unpermute_llama_qk
+
+    rng = np.random.default_rng(0)
+    n_head, head_dim, d, theta = 3, 8, 12, 10000.0
+    wq, wk = rng.standard_normal((n_head * head_dim, d)), rng.standard_normal((n_head * head_dim, d))
+    x, y = rng.standard_normal(d), rng.standard_normal(d)
+    freq = theta ** (-np.arange(head_dim // 2) / (head_dim // 2))
+
+    def interleaved(v, pos):
+        v = v.reshape(n_head, head_dim // 2, 2)
+        c, s = np.cos(pos * freq), np.sin(pos * freq)
+        return np.stack([v[..., 0] * c - v[..., 1] * s, v[..., 1] * c + v[..., 0] * s], -1).reshape(n_head, -1)
+
+    def neox(v, pos):
+        v = v.reshape(n_head, 2, head_dim // 2)
+        c, s = np.cos(pos * freq), np.sin(pos * freq)
+        return np.concatenate([v[:, 0] * c - v[:, 1] * s, v[:, 1] * c + v[:, 0] * s], -1)
+
+    ours = (neox(unpermute_llama_qk(wq, n_head) @ x, 7) * neox(unpermute_llama_qk(wk, n_head) @ y, 3)).sum(-1)
+    theirs = (interleaved(wq @ x, 7) * interleaved(wk @ y, 3)).sum(-1)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-10)
 
 
 def test_training_lowers_the_loss_and_measures_acceptance(trained):

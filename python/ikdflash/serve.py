@@ -1,5 +1,6 @@
 """Start the packaged llama-server with a target and its DFlash draft, and supervise it.
 
+    ikdflash serve                                                     # the built-in SmolLM2 pair
     ikdflash serve --target T.gguf --draft D.gguf                      # n_max 4, cross_ctx = -c
     ikdflash serve --target T.gguf --draft D.gguf -c 8192 --cross-ctx 8192 --port 8080
     ikdflash serve --target T.gguf --draft D.gguf --dry-run            # print the command only

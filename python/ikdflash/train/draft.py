@@ -251,7 +251,7 @@ def init_from_target_layers(model: DraftModel, target_layers: Sequence[dict[str,
     cfg = model.cfg
     with torch.no_grad():
         if output_norm is not None:
-            model.norm.weight.copy_(torch.from_numpy(np.asarray(output_norm, dtype=np.float32)))
+            model.norm.weight.copy_(torch.tensor(np.asarray(output_norm, dtype=np.float32)))
         for layer, w in zip(model.layers, target_layers):
             q, k = w["attn_q.weight"], w["attn_k.weight"]
             if arch == "llama":
@@ -262,4 +262,4 @@ def init_from_target_layers(model: DraftModel, target_layers: Sequence[dict[str,
                      "down_proj": w["ffn_down.weight"], "input_layernorm": w["attn_norm.weight"],
                      "post_attention_layernorm": w["ffn_norm.weight"]}
             for name, value in pairs.items():
-                getattr(layer, name).weight.copy_(torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32)))
+                getattr(layer, name).weight.copy_(torch.tensor(np.asarray(value, dtype=np.float32)))
