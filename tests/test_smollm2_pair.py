@@ -65,3 +65,11 @@ def test_lossless_over_llama_server(pair, prompts, tmp_path):
         replies = [complete(url, p, max_tokens=48) for p in prompts[:3]]
     assert [r.text for r in replies] == plain
     assert sum(r.timings["draft_n_accepted"] for r in replies) > 0
+
+
+def test_serve_runs_the_pair_with_no_model_arguments(pair):
+    import subprocess
+
+    out = subprocess.run(["ikdflash", "serve", "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert str(pair[0]) in out.stdout and f"--model-draft {pair[1]}" in out.stdout

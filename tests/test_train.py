@@ -92,6 +92,27 @@ def test_target_layers_keep_their_attention_scores_under_neox_rope():
     np.testing.assert_allclose(ours, theirs, rtol=1e-10)
 
 
+def test_labels_follow_the_targets_path(tmp_path):
+    """Block position j's label is the target's greedy token after row a+j-1; on the target's own
+    path it weighs 1, past the first place the text leaves it, off_path_weight."""
+    from ikdflash.train.data import Dataset
+    from ikdflash.train.loop import Batches, TrainSettings
+
+    tokens = np.array([5, 6, 7, 8, 9, 10, 11, 12, 13, 14])
+    greedy = np.array([6, 7, 0, 9, 10, 11, 12, 13, 14, 15])  # the text leaves the target's path at row 3
+    data = Dataset(folder=tmp_path, meta={"n_rows": 10, "width": 1}, index=np.array([[0, 10]]), tokens=tokens,
+                   greedy=greedy, trainable=np.ones(10, dtype=np.uint8), features=np.zeros((10, 1), np.float16))
+    label_map = np.arange(32)
+    target = Batches([data], 5, 31, TrainSettings(minutes=1, off_path_weight=0.25), label_map)
+    labels, weight, on_path = target.labels(tokens, greedy, 1)
+    assert list(labels) == [7, 0, 9, 10]          # greedy[1..4]
+    assert list(weight) == [1.0, 1.0, 0.25, 0.25]  # row 3 holds 8, the target said 0 after row 2
+    assert list(on_path) == [True, True, False, False]
+    assert list(target.labels(tokens, greedy, 8)[1]) == [1.0, 1.0, 0.0, 0.0]  # the sequence ends
+    corpus = Batches([data], 5, 31, TrainSettings(minutes=1, labels="corpus"), label_map)
+    assert list(corpus.labels(tokens, greedy, 1)[0]) == [7, 8, 9, 10]
+
+
 def test_training_lowers_the_loss_and_measures_acceptance(trained):
     run, _ = trained
     report = json.loads((run / "report.json").read_text())

@@ -70,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int)
     parser.add_argument("--csv", type=Path, help="also write the table as CSV")
     parser.add_argument("--json", type=Path, help="also write the table as JSON")
+    parser.add_argument("--plot", type=Path, help="also draw acceptance against clip as a PNG (needs ikdflash[plot])")
 
 
 def progress(done: int, total: int, what: str) -> None:
@@ -217,4 +218,35 @@ def run(args: argparse.Namespace) -> int:
             writer.writerows(records)
     if args.json:
         args.json.write_text(json.dumps({"window": window, "n_max": args.n_max, "rows": records}, indent=2))
+    if args.plot:
+        plot(rows, window, args.plot)
     return 0
+
+
+def plot(rows: list[Row], window: int, path: Path) -> None:
+    """Acceptance (with standard errors) against prompt length, window honoured vs all layers full."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("ikdflash bench: --plot needs matplotlib: python -m pip install 'ikdflash[plot]'", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    lengths = [r.length for r in rows]
+    for label, acc, se in (("window honoured", "sliding_acceptance", "sliding_se"),
+                           ("every layer full", "full_acceptance", "full_se")):
+        ax.errorbar(lengths, [100 * getattr(r, acc) for r in rows], yerr=[100 * getattr(r, se) for r in rows],
+                    marker="o", capsize=3, label=label)
+    if window:
+        ax.axvline(window, color="grey", linestyle=":", label=f"window {window}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("draft acceptance (%)")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

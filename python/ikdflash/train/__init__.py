@@ -53,7 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     draft.add_argument("--init", choices=("random", "target"), default="target",
                        help="start the draft layers from the target's top layers (default) or at random")
     fit = parser.add_argument_group("training")
-    fit.add_argument("--labels", choices=("target", "corpus"), default="target")
+    fit.add_argument("--labels", choices=("target", "corpus"), default="target",
+                     help="target: the target's greedy tokens (default); corpus: the text's own tokens")
+    fit.add_argument("--off-path-weight", type=float, default=1.0,
+                     help="weight of target labels past where the text leaves the target's path (default 1)")
     fit.add_argument("--head-vocab", type=int, default=DEFAULTS["head_vocab"],
                      help="train the head's softmax over the N most used ids (0: all; default 16384)")
     fit.add_argument("--lr", type=float, default=6e-4)
@@ -163,6 +166,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.init == "target" and not checkpoint.exists():
         draft.init_from_target_layers(model, top_layers, hp["arch"], hp["output_norm"])
     settings = loop.TrainSettings(minutes=args.minutes, seed=args.seed, lr=args.lr, labels=args.labels,
+                                  off_path_weight=args.off_path_weight,
                                   head_vocab=args.head_vocab, max_steps=args.max_steps, n_threads=args.threads,
                                   snapshot_minutes=args.snapshot_minutes)
 

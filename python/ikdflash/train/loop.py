@@ -4,10 +4,13 @@ Each step takes a few sequences and, in each, random anchor positions a among it
 Block i is [token a_i, mask x (B-1)] at positions a_i..a_i+B-1 and sees the context rows before
 a_i; block position j is trained towards the token the target would emit there, with a loss
 weight that decays with j. Labels ("target", the default) are the target's greedy tokens: position
-j is the target's argmax after row a+j-1, kept only while the text from a+1 to a+j-1 is what the
-target itself would have said (at inference a later position counts only once every earlier one
-was accepted, and then the context *is* the target's own text). "corpus" trains on the text's own
-next tokens instead.
+j is the target's argmax after row a+j-1. Where the text from a+1 to a+j-1 is what the target
+itself would have said, that label is exactly the token speculation must guess (at inference a
+later position counts only once every earlier one was accepted, and then the context *is* the
+target's own text); past the first place where the text leaves the target's path the label only
+approximates it, and weighs off_path_weight (0 drops it; with so few on-path positions in human
+text, a draft trained on those alone learns position 1 and little else). "corpus" trains on the
+text's own next tokens instead.
 
 The embedding and head stay the target's, frozen. The head may be cut to the ids the labels use
 most (head_vocab), which makes a step several times cheaper; the shipped draft still scores the
@@ -43,6 +46,7 @@ class TrainSettings:
     anchors_per_sequence: int = 48
     gamma: float = 4.0             # loss weight exp(-(j-1)/gamma) at block position j
     labels: str = "target"
+    off_path_weight: float = 1.0   # "target" labels past the first place the text leaves the target's path
     head_vocab: int = 16384        # 0: the whole vocabulary
     n_max: int = 4                 # drafted tokens the running acceptance estimate counts
     checkpoint_minutes: float = 5.0
@@ -83,23 +87,29 @@ class Batches:
             raise ValueError("no sequence in the data has an assistant row to train on")
         self.p = np.array(weights, dtype=np.float64) / sum(weights)
 
-    def labels(self, tokens: np.ndarray, greedy: np.ndarray, a: int) -> tuple[np.ndarray, np.ndarray]:
-        """Labels and validity of block positions 1..B-1 for anchor a of one sequence."""
+    def labels(self, tokens: np.ndarray, greedy: np.ndarray, a: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Labels of block positions 1..B-1 for anchor a of one sequence, their loss weights
+        (0: no label) and whether each is on the target's own path."""
         B, length = self.B, len(tokens)
         lab = np.zeros(B - 1, dtype=np.int64)
-        ok = np.zeros(B - 1, dtype=bool)
+        weight = np.zeros(B - 1, dtype=np.float32)
+        on_path = np.zeros(B - 1, dtype=bool)
+        path = True
         for j in range(1, B):
             if self.s.labels == "corpus":
                 if a + j >= length:
                     break
-                lab[j - 1] = tokens[a + j]
+                lab[j - 1], weight[j - 1], on_path[j - 1] = tokens[a + j], 1.0, True  # the text is the path
             else:
-                if a + j - 1 >= length or (j > 1 and tokens[a + j - 1] != greedy[a + j - 2]):
-                    break  # beyond here the text has left the target's own path
+                if a + j - 1 >= length:
+                    break
+                path = path and (j == 1 or tokens[a + j - 1] == greedy[a + j - 2])
                 lab[j - 1] = greedy[a + j - 1]
-            ok[j - 1] = True
+                weight[j - 1] = 1.0 if path else self.s.off_path_weight
+                on_path[j - 1] = path
         mapped = self.label_map[lab]
-        return mapped, ok & (mapped >= 0)
+        weight[mapped < 0] = 0.0
+        return mapped, weight, on_path & (mapped >= 0)
 
     def sample(self, rng: np.random.Generator) -> dict[str, torch.Tensor]:
         S, A, B = self.s.sequences_per_step, self.s.anchors_per_sequence, self.B
@@ -112,7 +122,8 @@ class Batches:
         features = np.zeros((S, L, self.width), dtype=np.float32)
         block = np.full((S, A, B), self.mask, dtype=np.int64)
         labels = np.zeros((S, A, B - 1), dtype=np.int64)
-        valid = np.zeros((S, A, B - 1), dtype=bool)
+        weight = np.zeros((S, A, B - 1), dtype=np.float32)
+        on_path = np.zeros((S, A, B - 1), dtype=bool)
         for i, (data, start, length, _) in enumerate(picks):
             n_ctx = min(L, length)
             features[i, :n_ctx] = data.features[start:start + n_ctx]
@@ -121,10 +132,10 @@ class Batches:
             for j, a in enumerate(anchors[i]):
                 if a >= 0:
                     block[i, j, 0] = tokens[a]
-                    labels[i, j], valid[i, j] = self.labels(tokens, greedy, int(a))
+                    labels[i, j], weight[i, j], on_path[i, j] = self.labels(tokens, greedy, int(a))
         return {"features": torch.from_numpy(features), "block": torch.from_numpy(block),
                 "anchors": torch.from_numpy(anchors), "labels": torch.from_numpy(labels),
-                "valid": torch.from_numpy(valid)}
+                "weight": torch.from_numpy(weight), "on_path": torch.from_numpy(on_path)}
 
 
 def head_subset(datasets: Sequence[Dataset], vocab: int, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -143,18 +154,20 @@ def head_subset(datasets: Sequence[Dataset], vocab: int, size: int) -> tuple[np.
 
 def step_loss(model: DraftModel, batch: dict[str, torch.Tensor], head: torch.Tensor, weights: torch.Tensor,
               n_max: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted cross-entropy over valid block positions, and each anchor's accepted length
-    (consecutive argmax hits at positions 1..n_max, -1 for unused anchors)."""
+    """Weighted cross-entropy over the labelled block positions, and each anchor's accepted
+    length: consecutive argmax hits on the target's path at positions 1..n_max (-1: unused anchor;
+    "corpus" labels count as the path)."""
     S, A = batch["anchors"].shape
     B = model.cfg.block_size
     hidden = model.hidden(batch["features"], batch["block"], batch["anchors"]).view(S, A, B, -1)[:, :, 1:]
-    valid = batch["valid"]
-    logits = hidden[valid] @ head.T
-    w = weights.expand(S, A, B - 1)[valid]
-    loss = (F.cross_entropy(logits, batch["labels"][valid], reduction="none") * w).sum() / w.sum().clamp(min=1e-9)
+    labelled = batch["weight"] > 0
+    logits = hidden[labelled] @ head.T
+    w = (weights.expand(S, A, B - 1) * batch["weight"])[labelled]
+    loss = (F.cross_entropy(logits, batch["labels"][labelled], reduction="none") * w).sum() / w.sum().clamp(min=1e-9)
     with torch.no_grad():
-        hit = torch.zeros(S, A, B - 1, dtype=torch.bool, device=valid.device)
-        hit[valid] = logits.argmax(-1) == batch["labels"][valid]
+        hit = torch.zeros(S, A, B - 1, dtype=torch.bool, device=labelled.device)
+        hit[labelled] = logits.argmax(-1) == batch["labels"][labelled]
+        hit &= batch["on_path"]
         accepted = hit[:, :, :n_max].to(torch.int64).cumprod(-1).sum(-1)
         accepted[batch["anchors"] < 0] = -1
     return loss, accepted
