@@ -607,8 +607,12 @@ void append_rows(dflash_draft & d, dflash_cache & c, const float * features, con
     }
 }
 
-void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t start, float * logits_out,
-              llama_token * tokens_out) {
+// One draft step. The whole block runs through the layers (attention needs every row), but the
+// head, which costs more than the layers for a large vocabulary, runs only on block rows
+// head_row0 .. head_row0 + n_head - 1; their logits go to logits_out (or a scratch buffer) and the
+// argmax of every head row past row 0 to tokens_out.
+void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t start, int head_row0, int n_head,
+              float * logits_out, llama_token * tokens_out) {
     const int B = d.block_size;
     ggml_context * ctx = d.graph_context();
     std::unique_ptr<ggml_context, decltype(&ggml_free)> guard(ctx, ggml_free);
@@ -665,6 +669,7 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
         ggml_tensor * ff = ggml_mul(ctx, ggml_silu(ctx, ggml_mul_mat(ctx, l.ffn_gate, n)), ggml_mul_mat(ctx, l.ffn_up, n));
         x = ggml_add(ctx, x, ggml_mul_mat(ctx, l.ffn_down, ff));
     }
+    x = ggml_view_2d(ctx, x, d.n_embd, n_head, x->nb[1], (size_t) head_row0 * x->nb[1]);
     x = rms_norm(ctx, x, d.output_norm, d.rms_eps);
     ggml_tensor * logits = ggml_mul_mat(ctx, d.output, x);
     if (d.output_multiplier != 1.0f) {
@@ -693,11 +698,11 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
         ggml_backend_tensor_set(masks[il], mask.data(), 0, ggml_nbytes(masks[il]));
     }
     d.compute(d.sched_step, gf, "the draft step");
-    std::vector<float> host(logits_out ? 0 : (size_t) d.n_vocab * B);
+    std::vector<float> host(logits_out ? 0 : (size_t) d.n_vocab * n_head);
     float * out = logits_out ? logits_out : host.data();
     ggml_backend_tensor_get(logits, out, 0, ggml_nbytes(logits));
-    for (int j = 1; j < B; ++j) {
-        const float * row = out + (size_t) j * d.n_vocab;
+    for (int j = std::max(1, head_row0); j < head_row0 + n_head; ++j) {
+        const float * row = out + (size_t) (j - head_row0) * d.n_vocab;
         tokens_out[j - 1] = (llama_token) (std::max_element(row, row + d.n_vocab) - row);
     }
 }
@@ -820,16 +825,32 @@ int dflash_cache_append(dflash_draft * d, dflash_cache * c, const float * featur
     }, -1);
 }
 
+static void check_step(const dflash_draft & d, const dflash_cache & c, llama_token first_token, int32_t start_pos) {
+    if (first_token < 0 || first_token >= d.n_vocab) {
+        fail("token %d is outside the vocabulary", first_token);
+    }
+    if (start_pos <= c.last_pos) {
+        fail("the block starts at %d but the context already reaches %d", start_pos, c.last_pos);
+    }
+}
+
 int dflash_draft_step(dflash_draft * d, dflash_cache * c, llama_token first_token, int32_t start_pos, float * logits,
                       llama_token * tokens) {
     return guarded([&]() -> int {
-        if (first_token < 0 || first_token >= d->n_vocab) {
-            fail("token %d is outside the vocabulary", first_token);
+        check_step(*d, *c, first_token, start_pos);
+        run_step(*d, *c, first_token, start_pos, 0, d->block_size, logits, tokens);
+        return 0;
+    }, -1);
+}
+
+int dflash_draft_propose(dflash_draft * d, dflash_cache * c, llama_token first_token, int32_t start_pos, int n,
+                         llama_token * tokens) {
+    return guarded([&]() -> int {
+        check_step(*d, *c, first_token, start_pos);
+        if (n < 1 || n > d->block_size - 1) {
+            fail("draft length %d outside 1..%d", n, d->block_size - 1);
         }
-        if (start_pos <= c->last_pos) {
-            fail("the block starts at %d but the context already reaches %d", start_pos, c->last_pos);
-        }
-        run_step(*d, *c, first_token, start_pos, logits, tokens);
+        run_step(*d, *c, first_token, start_pos, 1, n, nullptr, tokens);
         return 0;
     }, -1);
 }

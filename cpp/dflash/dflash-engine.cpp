@@ -489,12 +489,7 @@ int dflash_seq_draft(dflash_seq * seq, llama_token t, llama_pos pos, int n, llam
         dflash_impl::last_error = "draft length " + std::to_string(n) + " outside 0.." + std::to_string(block - 1);
         return -1;
     }
-    std::vector<llama_token> proposal(block - 1);
-    if (dflash_draft_step(seq->draft, seq->cache, t, pos, nullptr, proposal.data()) != 0) {
-        return -1;
-    }
-    std::copy(proposal.begin(), proposal.begin() + n, out);
-    return 0;
+    return n == 0 ? 0 : dflash_draft_propose(seq->draft, seq->cache, t, pos, n, out);
 }
 
 void dflash_seq_save_state(dflash_seq * seq) { seq->save_state(); }

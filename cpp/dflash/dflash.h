@@ -79,6 +79,10 @@ LLAMA_API int dflash_cache_append(dflash_draft * draft, dflash_cache * cache,
 // block rows 1..block_size-1 (block_size - 1 ids). Returns 0 on success.
 LLAMA_API int dflash_draft_step(dflash_draft * draft, dflash_cache * cache, llama_token first_token,
                                 int32_t start_pos, float * logits, llama_token * tokens);
+// The same step for speculation: tokens receives the argmax of block rows 1..n only (1 <= n <=
+// block_size - 1); the whole block still runs through the layers, but the head only on those rows.
+LLAMA_API int dflash_draft_propose(dflash_draft * draft, dflash_cache * cache, llama_token first_token,
+                                   int32_t start_pos, int n, llama_token * tokens);
 
 // --- pieces of a speculative loop ---------------------------------------------------------------
 // What a decoding loop with its own batching (llama-server) needs; dflash_engine below is the
