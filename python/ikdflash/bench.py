@@ -48,6 +48,9 @@ class Row:
     full_tau: float
     full_tps: float
     no_draft_tps: float
+    draft_ms: float            # per verification step, sliding column
+    verify_ms: float           # per verification step (target pass, sampling, rollback), sliding column
+    no_draft_ms: float         # per generated token, target alone
 
     @property
     def acceptance_change(self) -> float:
@@ -144,6 +147,10 @@ class Cell:
         busy = self.total("draft_time") + self.total("verify_time")
         return self.total("generated") / busy if busy else 0.0
 
+    def ms_per_step(self, name: str) -> float:
+        steps = self.total("steps")
+        return 1e3 * self.total(name) / steps if steps else 0.0
+
 
 def measure(args: argparse.Namespace, window: int) -> list[Row]:
     n_ctx = max(args.lengths) + args.max_tokens + 16
@@ -175,7 +182,9 @@ def measure(args: argparse.Namespace, window: int) -> list[Row]:
         rows.append(Row(length=n, clip=max(0.0, (n - window) / n) if window else 0.0, steps=int(s.total("steps")),
                         sliding_acceptance=s.acceptance, sliding_se=s.standard_error, sliding_tau=s.tau,
                         sliding_tps=s.tokens_per_second, full_acceptance=f.acceptance, full_se=f.standard_error,
-                        full_tau=f.tau, full_tps=f.tokens_per_second, no_draft_tps=b.tokens_per_second))
+                        full_tau=f.tau, full_tps=f.tokens_per_second, no_draft_tps=b.tokens_per_second,
+                        draft_ms=s.ms_per_step("draft_time"), verify_ms=s.ms_per_step("verify_time"),
+                        no_draft_ms=b.ms_per_step("verify_time")))
     return rows
 
 
@@ -189,6 +198,9 @@ def table(rows: list[Row], window: int) -> str:
                      f"{r.sliding_tau:>5.2f} {r.sliding_tps:>7.1f} | {r.full_acceptance:>12.1%} {r.full_se:>5.1%} "
                      f"{r.full_tau:>5.2f} {r.full_tps:>7.1f} | {r.acceptance_change:>+8.1%} | "
                      f"{r.no_draft_tps:>14.1f} {r.speedup:>7.2f}x")
+    lines.append("time per verification step (window honoured): "
+                 + ", ".join(f"{r.length}: draft {r.draft_ms:.1f} ms + verify {r.verify_ms:.1f} ms" for r in rows)
+                 + "; target alone per token: " + ", ".join(f"{r.no_draft_ms:.1f} ms" for r in rows))
     return "\n".join(lines)
 
 
