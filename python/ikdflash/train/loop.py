@@ -47,6 +47,7 @@ class TrainSettings:
     gamma: float = 4.0             # loss weight exp(-(j-1)/gamma) at block position j
     labels: str = "target"
     off_path_weight: float = 1.0   # "target" labels past the first place the text leaves the target's path
+    first_share: float | None = None  # share of anchors from the first data folder (None: by size)
     head_vocab: int = 16384        # 0: the whole vocabulary
     n_max: int = 4                 # drafted tokens the running acceptance estimate counts
     checkpoint_minutes: float = 5.0
@@ -72,8 +73,8 @@ class Batches:
         self.label_map = label_map
         self.width = self.datasets[0].width
         self.sequences = []  # (dataset, first row, length, anchor candidates)
-        weights = []
-        for data in self.datasets:
+        weights, owner = [], []
+        for k, data in enumerate(self.datasets):
             if data.width != self.width:
                 raise ValueError(f"{data.folder}: features of width {data.width}, not {self.width} like the others")
             for start, length in np.asarray(data.index):
@@ -83,9 +84,15 @@ class Batches:
                 if len(candidates):
                     self.sequences.append((data, int(start), int(length), candidates))
                     weights.append(len(candidates))
+                    owner.append(k)
         if not self.sequences:
             raise ValueError("no sequence in the data has an assistant row to train on")
-        self.p = np.array(weights, dtype=np.float64) / sum(weights)
+        p = np.array(weights, dtype=np.float64)
+        first = np.array(owner) == 0
+        if settings.first_share is not None and 0 < first.sum() < len(p):
+            p[first] *= settings.first_share / p[first].sum()
+            p[~first] *= (1 - settings.first_share) / p[~first].sum()
+        self.p = p / p.sum()
 
     def labels(self, tokens: np.ndarray, greedy: np.ndarray, a: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Labels of block positions 1..B-1 for anchor a of one sequence, their loss weights
