@@ -226,7 +226,7 @@ def test_download_errors_offline(hub_cache):
     assert "not in the local Hugging Face cache, and offline" in out.stderr
     out = subprocess.run(["ikdflash", "download", "no-such-pair"], capture_output=True, text=True)
     assert out.returncode == 2
-    assert "known pairs: qwen3.5-35b-a3b-swa, swapped-pair, tiny-pair" in out.stderr
+    assert "known pairs: qwen3.5-35b-a3b-swa, smollm2-135m-swa, swapped-pair, tiny-pair" in out.stderr
     out = subprocess.run(["ikdflash", "download", "swapped-pair"], capture_output=True, text=True)
     assert out.returncode == 1
     assert "swapped-pair: " in out.stderr and "not a DFlash draft" in out.stderr

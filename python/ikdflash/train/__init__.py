@@ -88,7 +88,8 @@ def default_mask_token(target: str | os.PathLike[str]) -> int:
     if named:
         return named[0]
     types: list[int] = gguf_field(reader, "tokenizer.ggml.token_type", [])
-    reserved = {int(gguf_field(reader, f"tokenizer.ggml.{role}_token_id", -1)) for role in ("bos", "eos", "padding", "unknown")}
+    reserved = {int(gguf_field(reader, f"tokenizer.ggml.{role}_token_id", -1))
+                for role in ("bos", "eos", "padding", "unknown")}
     control = [i for i, t in enumerate(types) if t == gguf.TokenType.CONTROL and i not in reserved]
     if not control:
         raise ValueError(f"{target}: no free control token for the mask; pass --mask-token ID")
@@ -154,7 +155,8 @@ def _run(args: argparse.Namespace) -> int:
         n_target_layers, n_embd, n_vocab = target.n_layer, target.n_embd, target.n_vocab
     layer_ids = args.target_layers or draft.default_layer_ids(n_target_layers, 3)
     mask = args.mask_token if args.mask_token is not None else default_mask_token(args.target)
-    embd, head, top_layers, hp = target_weights(args.target, list(range(n_target_layers - args.layers, n_target_layers)))
+    top = list(range(n_target_layers - args.layers, n_target_layers))  # the draft's layers start as these
+    embd, head, top_layers, hp = target_weights(args.target, top)
     started = time.time()
 
     # --- data: the target over training conversations ------------------------------------------

@@ -95,7 +95,8 @@ def _messages(record: dict) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def read_conversations(corpus: str | os.PathLike[str] | None = None, *, limit: int | None = None) -> Iterator[Conversation]:
+def read_conversations(corpus: str | os.PathLike[str] | None = None, *,
+                       limit: int | None = None) -> Iterator[Conversation]:
     """Conversations with at least one user turn, in file order (corpus None: ShareGPT)."""
     path = sharegpt_path() if corpus is None else Path(corpus)
     if not path.is_file():

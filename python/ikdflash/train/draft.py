@@ -252,7 +252,7 @@ def init_from_target_layers(model: DraftModel, target_layers: Sequence[dict[str,
     with torch.no_grad():
         if output_norm is not None:
             model.norm.weight.copy_(torch.tensor(np.asarray(output_norm, dtype=np.float32)))
-        for layer, w in zip(model.layers, target_layers):
+        for layer, w in zip(model.layers, target_layers, strict=True):
             q, k = w["attn_q.weight"], w["attn_k.weight"]
             if arch == "llama":
                 q = unpermute_llama_qk(q, cfg.num_attention_heads)

@@ -19,7 +19,6 @@ whole vocabulary.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -151,8 +150,8 @@ def head_subset(datasets: Sequence[Dataset], vocab: int, size: int) -> tuple[np.
     if size <= 0 or size >= vocab:
         ids = np.arange(vocab)
     else:
-        counts = sum(np.bincount(np.asarray(d.greedy), minlength=vocab) + np.bincount(np.asarray(d.tokens), minlength=vocab)
-                     for d in datasets)
+        counts = sum(np.bincount(np.asarray(d.greedy), minlength=vocab)
+                     + np.bincount(np.asarray(d.tokens), minlength=vocab) for d in datasets)
         ids = np.sort(np.argsort(-counts, kind="stable")[:size])
     label_map = np.full(vocab, -1, dtype=np.int64)
     label_map[ids] = np.arange(len(ids))
