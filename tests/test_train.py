@@ -43,7 +43,7 @@ def trained(target, tmp_path_factory):
     argv = ["train", "--target", str(target), "--out", str(folder / "run"), "--corpus", str(corpus),
             "--minutes", "5", "--max-steps", "60", "--data-rows", "3000", "--seq-len", "256", "--window", "8",
             "--layers", "2", "--head-vocab", "0", "--outtype", "f32", "--lr", "3e-3",
-            "--eval-prompts", "3", "--eval-tokens", "24", "--threads", "2"]
+            "--eval-prompts", "3", "--eval-tokens", "24", "--threads", "2", "--system", "Be brief."]
     assert main(argv) == 0
     return folder / "run", argv
 
@@ -139,6 +139,7 @@ def test_training_lowers_the_loss_and_measures_acceptance(trained):
     held_out = report["held_out"]
     assert held_out["steps"] > 0 and len(held_out["per_position"]) == 4
     assert report["config"]["layer_types"] == ["sliding_attention", "full_attention"]
+    assert json.loads((run.parent / "run" / "data" / "meta.json").read_text())["system"] == "Be brief."
 
 
 def test_the_reference_loads_the_checkpoint_and_the_gguf_computes_the_same(trained, target, tmp_path):

@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="corpus: conversations through the target (fast); generated: the target's own answers")
     data.add_argument("--data-rows", type=int, default=1_000_000, help="rows of data to gather (default 1M)")
     data.add_argument("--seq-len", type=int, default=1024, help="longest sequence, tokens (default 1024)")
+    data.add_argument("--system", help="a system message first in every conversation (default: the chat "
+                      "template's own; SmolLM2's makes the model end most first answers at once)")
     draft = parser.add_argument_group("draft")
     draft.add_argument("--layers", type=int, default=DEFAULTS["layers"], help="draft layers (default 2)")
     draft.add_argument("--layout", choices=("seed", "all-sliding"), default=DEFAULTS["layout"],
@@ -162,7 +164,8 @@ def _run(args: argparse.Namespace) -> int:
     # --- data: the target over training conversations ------------------------------------------
     training = (c for c in corpus.read_conversations(args.corpus) if not c.held_out)
     dataset = data.build(args.target, training, args.data or out / "data", layer_ids=layer_ids, kind=args.kind,
-                         max_rows=args.data_rows, seq_len=args.seq_len, seed=args.seed, n_threads=args.threads)
+                         max_rows=args.data_rows, seq_len=args.seq_len, seed=args.seed, n_threads=args.threads,
+                         system=args.system)
     print(f"data: {dataset.n_rows} rows in {dataset.meta['n_sequences']} sequences "
           f"({dataset.meta['seconds'] / 60:.1f} min to make)", file=sys.stderr)
 
@@ -210,7 +213,7 @@ def _run(args: argparse.Namespace) -> int:
                               "config": cfg.hf_config(), "history": state.history,
                               "draft_bytes": gguf_path.stat().st_size, "wall_seconds": round(time.time() - started)}
     if args.eval_prompts > 0:
-        prompts = held_out_prompts(args.target, args.corpus, args.eval_prompts)
+        prompts = held_out_prompts(args.target, args.corpus, args.eval_prompts, system=args.system)
         result = evaluate.measure_acceptance(args.target, gguf_path, prompts, max_tokens=args.eval_tokens,
                                              n_threads=args.threads)
         report["held_out"] = result.as_dict()
@@ -223,7 +226,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def held_out_prompts(target: str | os.PathLike[str], corpus_path: Path | None, count: int,
-                     max_tokens: int = 1024) -> list[list[int]]:
+                     max_tokens: int = 1024, system: str | None = None) -> list[list[int]]:
     """The first user turns of held-out conversations, in the target's chat format, as tokens."""
     from ikdflash.chat import chat_template, render
     from ikdflash.model import Model
@@ -235,7 +238,8 @@ def held_out_prompts(target: str | os.PathLike[str], corpus_path: Path | None, c
         for conv in read_conversations(corpus_path):
             if not conv.held_out:
                 continue
-            text = render(template, [("user", conv.first_user_turn)], add_generation_prompt=True)
+            head = [("system", system)] if system else []
+            text = render(template, [*head, ("user", conv.first_user_turn)], add_generation_prompt=True)
             tokens = model.tokenize(text, add_special=False, parse_special=True)
             if len(tokens) <= max_tokens:
                 prompts.append(tokens)

@@ -158,8 +158,9 @@ def conversation_pieces(template: str, messages: Sequence[tuple[str, str]]) -> l
 def build(target: str | os.PathLike[str], conversations: Iterable[Conversation], folder: str | os.PathLike[str], *,
           layer_ids: Sequence[int], kind: str = "corpus", max_rows: int, seq_len: int = 1024,
           answer_tokens: int = 256, temperatures: Sequence[float] = (0.0,), n_threads: int | None = None,
-          seed: int = 0, progress: bool = True) -> Dataset:
-    """Add sequences to the data folder until it holds max_rows rows (resuming where it stopped)."""
+          seed: int = 0, system: str | None = None, progress: bool = True) -> Dataset:
+    """Add sequences to the data folder until it holds max_rows rows (resuming where it stopped).
+    system: a system message put first in every conversation (None: the template's default)."""
     from ikdflash.engine import Engine
 
     if kind not in KINDS:
@@ -172,12 +173,13 @@ def build(target: str | os.PathLike[str], conversations: Iterable[Conversation],
     model = engine.target
     request = {"target": os.path.basename(os.fspath(target)), "n_embd": model.n_embd, "n_vocab": model.n_vocab,
                "layer_ids": list(layer_ids), "width": len(layer_ids) * model.n_embd, "kind": kind,
-               "seq_len": seq_len}
+               "seq_len": seq_len, "system": system}
     meta = _start_meta(folder, request)
     if meta["n_rows"] >= max_rows:  # already there: leave the folder untouched (runs may share it)
         engine.close()
         return open_dataset(folder)
     writer = _Writer(folder, meta)
+    head = [("system", system)] if system else []
     t_start = t_report = time.monotonic()
     seconds_before, rows_at_start = meta["seconds"], meta["n_rows"]
     try:
@@ -188,13 +190,14 @@ def build(target: str | os.PathLike[str], conversations: Iterable[Conversation],
                 continue
             if kind == "corpus":
                 tokens, trainable = [], []
-                for text, assistant in conversation_pieces(template, conv.messages):
+                for text, assistant in conversation_pieces(template, [*head, *conv.messages]):
                     piece = model.tokenize(text, add_special=False, parse_special=True)
                     tokens += piece
                     trainable += [assistant] * len(piece)
                 tokens, trainable = tokens[:seq_len], trainable[:seq_len]
             else:
-                prompt = model.tokenize(render(template, [("user", conv.first_user_turn)], add_generation_prompt=True),
+                prompt = model.tokenize(render(template, [*head, ("user", conv.first_user_turn)],
+                                               add_generation_prompt=True),
                                         add_special=False, parse_special=True)[-(seq_len - answer_tokens):]
                 temperature = temperatures[index % len(temperatures)]
                 answer = engine.generate(prompt, max_tokens=answer_tokens, temperature=temperature, seed=seed + index)
