@@ -132,8 +132,10 @@ def test_window_changes_the_output_only_past_the_window(target, drafts):
 @pytest.mark.parametrize("cross_ctx", [12, 40])
 def test_truncating_the_cross_context(target, drafts, cross_ctx):
     """A slot whose new request reuses part of the last prompt drops the rows past the reused
-    part (dflash_cache_truncate). With cross_ctx 12 the full layer's ring has wrapped (30 rows),
-    and the sliding layers' rings (window - 1 = 7 rows) have in both cases."""
+    part (dflash_cache_truncate). The sliding layers' rings (window - 1 = 7 rows) have wrapped over
+    the 30 rows, and with cross_ctx 12 the full layer's too: the rows they overwrote come back
+    from the cache's history, so a step right after the cut (whose window reaches back over them)
+    sees what a cache given only the kept rows sees."""
     _, _, model = target
     draft = _core.Draft(model, str(drafts["swa-5+1"][1]))
     rows = context(30, draft.info()["n_target_features"])
@@ -143,13 +145,62 @@ def test_truncating_the_cross_context(target, drafts, cross_ctx):
     again, _ = draft.forward(rows, pos, 65, 30, cross_ctx=cross_ctx, truncate_at=26,
                              then_features=rows[26:], then_positions=pos[26:])
     np.testing.assert_allclose(again, whole, rtol=1e-5, atol=1e-5)
-    # dropped only: the rows still held stay; rows a full ring evicted for the dropped ones do not
-    # come back (the sliding layers' evicted rows are outside the window anyway)
+    # dropped only: every layer holds what it would hold had the rows stopped at 25 (of the
+    # newest cross_ctx rows, which are all the cache ever keeps)
     oldest_held = max(0, 30 - cross_ctx)
-    kept, _ = draft.forward(rows[oldest_held:26], pos[oldest_held:26], 65, 30, cross_ctx=cross_ctx)
-    cut, _ = draft.forward(rows, pos, 65, 30, cross_ctx=cross_ctx, truncate_at=26)
-    np.testing.assert_allclose(cut, kept, rtol=1e-5, atol=1e-5)
+    for start in (26, 30):
+        kept, _ = draft.forward(rows[oldest_held:26], pos[oldest_held:26], 65, start, cross_ctx=cross_ctx)
+        cut, _ = draft.forward(rows, pos, 65, start, cross_ctx=cross_ctx, truncate_at=26)
+        np.testing.assert_allclose(cut, kept, rtol=1e-5, atol=1e-5)
     assert not np.allclose(cut, whole)
+
+
+def test_shifting_the_cross_context(target, drafts):
+    """The server's context shift drops positions [p0, p1) and moves the later rows back: the
+    moved rows' keys are re-rotated for their new positions, as a fresh cache would hold them."""
+    _, _, model = target
+    draft = _core.Draft(model, str(drafts["swa-5+1"][1]))
+    rows = context(30, draft.info()["n_target_features"])
+    cache = _core.CrossContext(draft, 40)
+    cache.append(rows, np.arange(30, dtype=np.int32))
+    cache.shift(4, 12, -8)
+    shifted, _ = cache.step(65, 22)
+    kept = np.concatenate([rows[:4], rows[12:]])
+    fresh = _core.CrossContext(draft, 40)
+    fresh.append(kept, np.arange(22, dtype=np.int32))
+    expected, _ = fresh.step(65, 22)
+    np.testing.assert_allclose(shifted, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="context positions must increase"):
+        cache.append(rows[:1], np.array([21], dtype=np.int32))
+    with pytest.raises(ValueError, match="cannot shift"):
+        cache.shift(10, 5, -5)
+
+
+def test_cross_context_state_round_trip(target, drafts):
+    """A slot's rows saved with its prompt (prompt cache, /slots save) and put back into another
+    cache: the next step is the same; a state that does not fit is refused, the cache untouched."""
+    _, _, model = target
+    draft = _core.Draft(model, str(drafts["swa-5+1"][1]))
+    rows = context(30, draft.info()["n_target_features"])
+    source = _core.CrossContext(draft, 40)
+    source.append(rows, np.arange(30, dtype=np.int32))
+    state = source.state()
+    expected, _ = source.step(65, 30)
+    other = _core.CrossContext(draft, 40)
+    other.append(rows[:5], np.arange(5, dtype=np.int32))
+    other.set_state(state)
+    got, _ = other.step(65, 30)
+    np.testing.assert_array_equal(got, expected)
+    for bad in (state[:-4], b"nonsense" * 4, state[:8] + b"\x00" * (len(state) - 8)):
+        with pytest.raises(ValueError, match="cross-context state"):
+            other.set_state(bad)
+    np.testing.assert_array_equal(other.step(65, 30)[0], expected)
+    # a context of fewer rows keeps the newest of them
+    small = _core.CrossContext(draft, 12)
+    small.set_state(state)
+    trimmed = _core.CrossContext(draft, 12)
+    trimmed.append(rows[18:], np.arange(18, 30, dtype=np.int32))
+    np.testing.assert_allclose(small.step(65, 30)[0], trimmed.step(65, 30)[0], rtol=1e-6, atol=1e-6)
 
 
 def test_mask_rule_matches_the_reference():

@@ -54,42 +54,7 @@ public:
     // part of the last prompt.
     py::tuple forward(f32_array features, i32_array positions, int first_token, int start, int cross_ctx,
                       bool full_attention, int truncate_at, std::optional<f32_array> then_features,
-                      std::optional<i32_array> then_positions) {
-        open();
-        check_rows(features, positions);
-        const int n_rows = (int) features.shape(0);
-        if (then_features.has_value() != then_positions.has_value()) {
-            throw py::value_error("give then_features and then_positions together");
-        }
-        const int n_then = then_features ? check_rows(*then_features, *then_positions) : 0;
-        const int block = dflash_draft_block_size(draft_);
-        py::array_t<float> logits({block, n_vocab_});
-        std::vector<llama_token> tokens(block - 1);
-        int rc = 0;
-        {
-            py::gil_scoped_release release;
-            dflash_cache * cache = dflash_cache_init(draft_, cross_ctx > 0 ? cross_ctx : std::max(1, n_rows),
-                                                     full_attention);
-            rc = cache == nullptr ? -1 : 0;
-            if (rc == 0 && n_rows > 0) {
-                rc = dflash_cache_append(draft_, cache, features.data(), positions.data(), n_rows);
-            }
-            if (rc == 0 && truncate_at >= 0) {
-                dflash_cache_truncate(cache, truncate_at);
-            }
-            if (rc == 0 && n_then > 0) {
-                rc = dflash_cache_append(draft_, cache, then_features->data(), then_positions->data(), n_then);
-            }
-            if (rc == 0) {
-                rc = dflash_draft_step(draft_, cache, first_token, start, logits.mutable_data(), tokens.data());
-            }
-            dflash_cache_free(cache);
-        }
-        if (rc != 0) {
-            throw py::value_error(path_ + ": " + dflash_last_error());
-        }
-        return py::make_tuple(logits, tokens);
-    }
+                      std::optional<i32_array> then_positions);
 
     py::dict info() {
         open();
@@ -117,6 +82,7 @@ public:
 
     // The number of rows, after checking the shapes of features and positions.
     int check_rows(const f32_array & features, const i32_array & positions) const {
+        open();
         const int n_feat = dflash_draft_n_target_features(draft_);
         if (features.ndim() != 2 || features.shape(1) != n_feat) {
             throw py::value_error("features must have shape (rows, " + std::to_string(n_feat) + ")");
@@ -149,6 +115,8 @@ public:
         open();
         return draft_;
     }
+    const std::string & path() const { return path_; }
+    int n_vocab() const { return n_vocab_; }
 
 private:
     void open() const {
@@ -161,6 +129,101 @@ private:
     dflash_draft * draft_ = nullptr;
     int n_vocab_ = 0;
 };
+
+// _core.CrossContext: one sequence's cross-context for a draft, driven by hand (append, truncate,
+// shift, save and restore its state, step), as a server slot drives it.
+class CrossContext {
+public:
+    CrossContext(Draft & draft, int cross_ctx, bool full_attention) : draft_(draft) {
+        cache_ = dflash_cache_init(draft.raw(), cross_ctx, full_attention);
+        if (cache_ == nullptr) {
+            throw py::value_error(dflash_last_error());
+        }
+    }
+    ~CrossContext() { dflash_cache_free(cache_); }
+    CrossContext(const CrossContext &) = delete;
+    CrossContext & operator=(const CrossContext &) = delete;
+
+    void append(const Draft::f32_array & features, const Draft::i32_array & positions) {
+        const int n = draft_.check_rows(features, positions);
+        int rc = 0;
+        {
+            py::gil_scoped_release release;
+            rc = dflash_cache_append(draft_.raw(), cache_, features.data(), positions.data(), n);
+        }
+        check(rc);
+    }
+
+    void truncate(int pos) { dflash_cache_truncate(cache_, pos); }
+
+    void shift(int p0, int p1, int delta) { check(dflash_cache_shift(cache_, p0, p1, delta)); }
+
+    py::bytes state() const {
+        std::string bytes(dflash_cache_state_size(cache_), '\0');
+        dflash_cache_state_get(cache_, (uint8_t *) bytes.data(), bytes.size());
+        return py::bytes(bytes);
+    }
+
+    void set_state(const py::bytes & state) {
+        const std::string bytes = state;
+        check(dflash_cache_state_set(cache_, (const uint8_t *) bytes.data(), bytes.size()));
+    }
+
+    // Rows held per layer (before a pending rebuild, fewer than the history holds).
+    std::vector<int> n_rows() const {
+        std::vector<int> out;
+        for (int il = 0; il < dflash_draft_n_layer(draft_.raw()); ++il) {
+            out.push_back(dflash_cache_n_rows(cache_, il));
+        }
+        return out;
+    }
+
+    // One draft step on [first_token, mask, ...] at start: every block row's logits, and the argmax
+    // of rows 1.. (the proposals).
+    py::tuple step(int first_token, int start) {
+        dflash_draft * d = draft_.raw();
+        const int block = dflash_draft_block_size(d);
+        py::array_t<float> logits({block, draft_.n_vocab()});
+        std::vector<llama_token> tokens(block - 1);
+        int rc = 0;
+        {
+            py::gil_scoped_release release;
+            rc = dflash_draft_step(d, cache_, first_token, start, logits.mutable_data(), tokens.data());
+        }
+        check(rc);
+        return py::make_tuple(logits, tokens);
+    }
+
+private:
+    void check(int rc) const {
+        if (rc != 0) {
+            throw py::value_error(draft_.path() + ": " + dflash_last_error());
+        }
+    }
+
+    Draft & draft_;
+    dflash_cache * cache_ = nullptr;
+};
+
+py::tuple Draft::forward(f32_array features, i32_array positions, int first_token, int start, int cross_ctx,
+                         bool full_attention, int truncate_at, std::optional<f32_array> then_features,
+                         std::optional<i32_array> then_positions) {
+    const int n_rows = check_rows(features, positions);
+    if (then_features.has_value() != then_positions.has_value()) {
+        throw py::value_error("give then_features and then_positions together");
+    }
+    CrossContext cache(*this, cross_ctx > 0 ? cross_ctx : std::max(1, n_rows), full_attention);
+    if (n_rows > 0) {
+        cache.append(features, positions);
+    }
+    if (truncate_at >= 0) {
+        cache.truncate(truncate_at);
+    }
+    if (then_features && then_features->shape(0) > 0) {
+        cache.append(*then_features, *then_positions);
+    }
+    return cache.step(first_token, start);
+}
 
 class Engine {
 public:
@@ -277,8 +340,10 @@ py::tuple layer_features(Model & model, const std::vector<llama_token> & tokens,
             dflash_capture_begin(capture.get(), true);
             const int rc = llama_decode(ctx, batch);
             dflash_capture_begin(capture.get(), false);
-            if (rc != 0 || dflash_capture_n_rows(capture.get()) != m) {
+            if (rc != 0) {
                 error = "the target's decode failed (code " + std::to_string(rc) + ") at position " + std::to_string(i);
+            } else if (dflash_capture_check(capture.get(), m) != 0) {
+                error = dflash_last_error();
             } else if (dflash_capture_features(capture.get(), feat + (size_t) i * width, m) != 0) {
                 error = dflash_last_error();
             }
@@ -306,6 +371,16 @@ void bind_dflash(py::module_ & m) {
         .def("forward", &Draft::forward, py::arg("features"), py::arg("positions"), py::arg("first_token"),
              py::arg("start"), py::arg("cross_ctx") = 0, py::arg("full_attention") = false,
              py::arg("truncate_at") = -1, py::arg("then_features") = py::none(), py::arg("then_positions") = py::none());
+    py::class_<CrossContext>(m, "CrossContext")
+        .def(py::init<Draft &, int, bool>(), py::arg("draft"), py::arg("cross_ctx"), py::arg("full_attention") = false,
+             py::keep_alive<1, 2>())
+        .def("append", &CrossContext::append, py::arg("features"), py::arg("positions"))
+        .def("truncate", &CrossContext::truncate, py::arg("pos"))
+        .def("shift", &CrossContext::shift, py::arg("p0"), py::arg("p1"), py::arg("delta"))
+        .def("state", &CrossContext::state)
+        .def("set_state", &CrossContext::set_state, py::arg("state"))
+        .def("n_rows", &CrossContext::n_rows)
+        .def("step", &CrossContext::step, py::arg("first_token"), py::arg("start"));
     py::class_<Engine>(m, "Engine")
         .def(py::init<Model &, Draft *, int, bool>(), py::arg("target"), py::arg("draft"), py::arg("cross_ctx"),
              py::arg("full_attention") = false, py::keep_alive<1, 2>(), py::keep_alive<1, 3>())

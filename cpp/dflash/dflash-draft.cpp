@@ -197,6 +197,44 @@ struct dflash_cache_layer {
     int next = 0;                   // slot the next row goes to
 };
 
+// Every committed context row's fused vector (hidden_norm(fc . f_p), n_embd floats), the newest
+// `capacity` of them in position order: the layers' rings are projections of its newest rows, so
+// they can be rebuilt exactly after a truncation reaching into rows a ring already overwrote, a
+// context shift (rows change positions, their keys change rotation), or a restored state.
+struct dflash_history {
+    int capacity = 0;
+    int n_embd = 0;
+    int start = 0;  // ring slot of the oldest row
+    int count = 0;
+    std::vector<int32_t> pos;
+    std::unique_ptr<float[]> rows;  // pages are touched only as rows arrive
+
+    void init(int cap, int width) {
+        capacity = cap;
+        n_embd = width;
+        pos.assign(cap, -1);
+        rows.reset(new float[(size_t) cap * width]);
+    }
+    int slot(int i) const { return (start + i) % capacity; }  // i = 0 is the oldest row
+    int32_t pos_at(int i) const { return pos[slot(i)]; }
+    const float * row_at(int i) const { return rows.get() + (size_t) slot(i) * n_embd; }
+
+    void push(const float * row, int32_t p) {
+        if (count == capacity) {
+            start = (start + 1) % capacity;
+            --count;
+        }
+        pos[slot(count)] = p;
+        std::copy(row, row + n_embd, rows.get() + (size_t) slot(count) * n_embd);
+        ++count;
+    }
+    void drop_from(int32_t p) {
+        while (count > 0 && pos_at(count - 1) >= p) {
+            --count;
+        }
+    }
+};
+
 struct dflash_cache {
     int cross_ctx = 0;
     bool full_attention = false;
@@ -204,10 +242,19 @@ struct dflash_cache {
     ggml_context * ctx = nullptr;
     ggml_backend_buffer_t buf = nullptr;
     std::vector<dflash_cache_layer> layers;
+    dflash_history history;
+    bool stale = false;  // a ring lacks rows the history has: rebuilt before the next append or step
 
     ~dflash_cache() {
         if (buf) ggml_backend_buffer_free(buf);
         if (ctx) ggml_free(ctx);
+    }
+
+    void clear_rings() {
+        for (auto & cl : layers) {
+            cl.n_used = cl.n_filled = cl.next = 0;
+            std::fill(cl.slot_pos.begin(), cl.slot_pos.end(), -1);
+        }
     }
 };
 
@@ -373,6 +420,12 @@ void bind_tensors(dflash_draft & d, const llama_model * target) {
 }
 
 void check_against_target(dflash_draft & d, const gguf_meta & m, const llama_model * target) {
+    if (llama_model_is_recurrent(target)) {
+        // hybrid targets are fine: their attention layers roll back, and the recurrent state is
+        // snapshotted and replayed; a state-only target has nothing to roll back to
+        fail("the target is a recurrent model without attention layers (Mamba-style): its state cannot be "
+             "rolled back to the accepted tokens, so drafts cannot be verified on it");
+    }
     const int n_vocab = llama_n_vocab(target);
     const int tokens_id = m.find("tokenizer.ggml.tokens");
     if (tokens_id < 0) {
@@ -557,22 +610,31 @@ void write_ring(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * src, ggml_te
     }
 }
 
-void append_rows(dflash_draft & d, dflash_cache & c, const float * features, const int32_t * pos, int n) {
+// Project n context rows into the layers' rings. Each layer projects only the rows its ring will
+// keep: n_after rows still follow in the same append. in: feature rows (n_target_features floats
+// each) when fuse, else fused rows (n_embd each); fused_out (may be null) receives the fused rows.
+void append_rows(dflash_draft & d, dflash_cache & c, const float * in, bool fuse, const int32_t * pos, int n,
+                 int n_after, float * fused_out) {
     ggml_context * ctx = d.graph_context();
     std::unique_ptr<ggml_context, decltype(&ggml_free)> guard(ctx, ggml_free);
     ggml_cgraph * gf = ggml_new_graph_custom(ctx, k_max_graph_nodes, false);
-    ggml_tensor * inp_feat = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, d.n_target_features, n);
+    ggml_tensor * inp = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, fuse ? d.n_target_features : d.n_embd, n);
     ggml_tensor * inp_pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
-    ggml_set_input(inp_feat);
+    ggml_set_input(inp);
     ggml_set_input(inp_pos);
     // context row: c_p = hidden_norm(fc . f_p), shared by every layer
-    ggml_tensor * rows = rms_norm(ctx, ggml_mul_mat(ctx, d.fc, inp_feat), d.hidden_norm, d.rms_eps);
+    ggml_tensor * rows = fuse ? rms_norm(ctx, ggml_mul_mat(ctx, d.fc, inp), d.hidden_norm, d.rms_eps) : inp;
+    if (fused_out != nullptr) {
+        ggml_set_output(rows);
+        ggml_build_forward_expand(gf, rows);
+    }
 
     struct pending { int il, first, count, slot; };
     std::vector<pending> updates;
     for (int il = 0; il < d.n_layer; ++il) {
         dflash_cache_layer & cl = c.layers[il];
-        const int keep = std::min(n, cl.capacity);  // older rows of this chunk would be overwritten
+        // older rows would be overwritten before this append ends
+        const int keep = std::clamp(cl.capacity - n_after, 0, n);
         if (keep == 0) {
             continue;
         }
@@ -586,10 +648,16 @@ void append_rows(dflash_draft & d, dflash_cache & c, const float * features, con
         write_ring(ctx, gf, ggml_reshape_2d(ctx, ggml_cont(ctx, v), cl.v->ne[0], keep), cl.v, cl.capacity, slot);
         updates.push_back({il, first, keep, slot});
     }
+    if (updates.empty() && fused_out == nullptr) {
+        return;
+    }
     d.allocate(d.sched_append, gf);
-    ggml_backend_tensor_set(inp_feat, features, 0, ggml_nbytes(inp_feat));
+    ggml_backend_tensor_set(inp, in, 0, ggml_nbytes(inp));
     ggml_backend_tensor_set(inp_pos, pos, 0, ggml_nbytes(inp_pos));
     d.compute(d.sched_append, gf, "the context rows");
+    if (fused_out != nullptr) {
+        ggml_backend_tensor_get(rows, fused_out, 0, ggml_nbytes(rows));
+    }
     for (int il = 0; il < d.n_layer; ++il) {
         dflash_cache_layer & cl = c.layers[il];
         if (cl.capacity > 0) {
@@ -605,6 +673,30 @@ void append_rows(dflash_draft & d, dflash_cache & c, const float * features, con
         // slots past n_filled were never written: a write after a truncation can stay below it
         cl.n_filled = u.slot + u.count > cl.capacity ? cl.capacity : std::max(cl.n_filled, u.slot + u.count);
     }
+}
+
+// Rebuild every ring from the history's newest rows (see dflash_history).
+void rebuild_rings(dflash_draft & d, dflash_cache & c) {
+    c.clear_rings();
+    const dflash_history & h = c.history;
+    int max_capacity = 0;
+    for (const auto & cl : c.layers) {
+        max_capacity = std::max(max_capacity, cl.capacity);
+    }
+    const int first = h.count - std::min(h.count, max_capacity);
+    std::vector<float> rows;
+    std::vector<int32_t> pos;
+    for (int i = first; i < h.count; i += k_append_chunk) {
+        const int n = std::min(k_append_chunk, h.count - i);
+        rows.resize((size_t) n * h.n_embd);
+        pos.resize(n);
+        for (int j = 0; j < n; ++j) {
+            std::copy(h.row_at(i + j), h.row_at(i + j) + h.n_embd, rows.data() + (size_t) j * h.n_embd);
+            pos[j] = h.pos_at(i + j);
+        }
+        append_rows(d, c, rows.data(), false, pos.data(), n, h.count - i - n, nullptr);
+    }
+    c.stale = false;
 }
 
 // One draft step. The whole block runs through the layers (attention needs every row), but the
@@ -764,6 +856,8 @@ dflash_cache * dflash_cache_init(const dflash_draft * d, int cross_ctx, bool ful
             cl.slot_pos.assign(cl.capacity, -1);
             c->layers.push_back(std::move(cl));
         }
+        // every layer's ring holds at most cross_ctx rows: the history keeps as many
+        c->history.init(cross_ctx, d->n_embd);
         c->buf = ggml_backend_alloc_ctx_tensors_from_buft(c->ctx, d->buft);
         if (c->buf == nullptr) {
             fail("could not allocate the cross-context (%d rows)", cross_ctx);
@@ -775,14 +869,14 @@ dflash_cache * dflash_cache_init(const dflash_draft * d, int cross_ctx, bool ful
 void dflash_cache_free(dflash_cache * c) { delete c; }
 
 void dflash_cache_clear(dflash_cache * c) {
-    for (auto & cl : c->layers) {
-        cl.n_used = cl.n_filled = cl.next = 0;
-        std::fill(cl.slot_pos.begin(), cl.slot_pos.end(), -1);
-    }
+    c->clear_rings();
+    c->history.count = c->history.start = 0;
+    c->stale = false;
     c->last_pos = -1;
 }
 
 void dflash_cache_truncate(dflash_cache * c, int32_t pos) {
+    c->history.drop_from(pos);
     for (auto & cl : c->layers) {
         // rows arrive in increasing positions, so the rows to drop are the newest ones
         while (cl.n_used > 0) {
@@ -794,8 +888,104 @@ void dflash_cache_truncate(dflash_cache * c, int32_t pos) {
             cl.next = newest;
             --cl.n_used;
         }
+        // a ring that had wrapped lost older rows its window still needs: the history has them
+        c->stale = c->stale || cl.n_used < std::min(cl.capacity, c->history.count);
     }
     c->last_pos = std::min(c->last_pos, pos - 1);
+}
+
+int dflash_cache_shift(dflash_cache * c, int32_t p0, int32_t p1, int32_t delta) {
+    return guarded([&]() -> int {
+        if (p0 < 0 || p1 < p0 || (delta < 0 && p1 + delta < p0)) {
+            fail("cannot shift: drop [%d, %d) and move the rows after it by %d", p0, p1, delta);
+        }
+        dflash_history & h = c->history;
+        std::vector<int32_t> pos;
+        std::vector<float> rows;
+        for (int i = 0; i < h.count; ++i) {
+            const int32_t p = h.pos_at(i);
+            if (p >= p0 && p < p1) {
+                continue;
+            }
+            pos.push_back(p >= p1 ? p + delta : p);
+            rows.insert(rows.end(), h.row_at(i), h.row_at(i) + h.n_embd);
+        }
+        h.start = h.count = 0;
+        for (size_t i = 0; i < pos.size(); ++i) {
+            h.push(rows.data() + i * h.n_embd, pos[i]);
+        }
+        c->last_pos = c->last_pos >= p1 ? c->last_pos + delta : std::min(c->last_pos, p0 - 1);
+        c->stale = true;
+        return 0;
+    }, -1);
+}
+
+namespace {
+constexpr uint32_t k_state_magic = 0x53434644;  // "DFCS": a DFlash cross-context state
+constexpr uint32_t k_state_version = 1;
+
+struct state_header {
+    uint32_t magic, version;
+    int32_t n_embd, count, last_pos;
+};
+}  // namespace
+
+size_t dflash_cache_state_size(const dflash_cache * c) {
+    const dflash_history & h = c->history;
+    return sizeof(state_header) + (size_t) h.count * (sizeof(int32_t) + sizeof(float) * h.n_embd);
+}
+
+size_t dflash_cache_state_get(const dflash_cache * c, uint8_t * dst, size_t size) {
+    const dflash_history & h = c->history;
+    if (size < dflash_cache_state_size(c)) {
+        dflash_impl::last_error = "the buffer is too small for the cross-context state";
+        return 0;
+    }
+    const state_header head = {k_state_magic, k_state_version, h.n_embd, h.count, c->last_pos};
+    uint8_t * out = dst;
+    auto put = [&out](const void * src, size_t n) { std::memcpy(out, src, n); out += n; };
+    put(&head, sizeof(head));
+    for (int i = 0; i < h.count; ++i) {
+        const int32_t p = h.pos_at(i);
+        put(&p, sizeof(p));
+    }
+    for (int i = 0; i < h.count; ++i) {
+        put(h.row_at(i), sizeof(float) * h.n_embd);
+    }
+    return out - dst;
+}
+
+int dflash_cache_state_set(dflash_cache * c, const uint8_t * src, size_t size) {
+    return guarded([&]() -> int {
+        state_header head;
+        if (size < sizeof(head)) {
+            fail("the cross-context state is truncated (%zu bytes)", size);
+        }
+        std::memcpy(&head, src, sizeof(head));
+        dflash_history & h = c->history;
+        if (head.magic != k_state_magic || head.version != k_state_version) {
+            fail("not a cross-context state of this version");
+        }
+        if (head.n_embd != h.n_embd || head.count < 0 ||
+            size != sizeof(head) + (size_t) head.count * (sizeof(int32_t) + sizeof(float) * h.n_embd)) {
+            fail("the cross-context state does not fit this draft (%d rows of width %d in %zu bytes)",
+                 head.count, head.n_embd, size);
+        }
+        const int32_t * pos = (const int32_t *) (src + sizeof(head));
+        const float * rows = (const float *) (pos + head.count);
+        for (int i = 0; i < head.count; ++i) {
+            if (pos[i] < 0 || (i > 0 && pos[i] <= pos[i - 1]) || pos[i] > head.last_pos) {
+                fail("the cross-context state's positions are not increasing");
+            }
+        }
+        h.start = h.count = 0;
+        for (int i = std::max(0, head.count - h.capacity); i < head.count; ++i) {
+            h.push(rows + (size_t) i * h.n_embd, pos[i]);
+        }
+        c->last_pos = head.last_pos;
+        c->stale = true;
+        return 0;
+    }, -1);
 }
 
 int dflash_cache_capacity(const dflash_cache * c, int il) { return c->layers.at(il).capacity; }
@@ -804,40 +994,51 @@ size_t dflash_cache_size_bytes(const dflash_cache * c) { return ggml_backend_buf
 
 int dflash_cache_append(dflash_draft * d, dflash_cache * c, const float * features, const int32_t * pos, int n_rows) {
     return guarded([&]() -> int {
+        if (n_rows < 1) {
+            fail("no context rows to append (%d)", n_rows);
+        }
         for (int i = 0; i < n_rows; ++i) {
             if (pos[i] <= (i == 0 ? c->last_pos : pos[i - 1])) {
                 fail("context positions must increase: row %d is at %d after %d", i, pos[i],
                      i == 0 ? c->last_pos : pos[i - 1]);
             }
         }
-        // rows older than the largest capacity would be overwritten anyway
-        int max_capacity = 0;
-        for (const auto & cl : c->layers) {
-            max_capacity = std::max(max_capacity, cl.capacity);
+        if (c->stale) {
+            rebuild_rings(*d, *c);
         }
-        const int first = std::max(0, n_rows - max_capacity);
+        // rows older than the history's capacity would leave it (and every ring) within this append
+        const int first = std::max(0, n_rows - c->history.capacity);
+        std::vector<float> fused;
         for (int i = first; i < n_rows; i += k_append_chunk) {
             const int n = std::min(k_append_chunk, n_rows - i);
-            append_rows(*d, *c, features + (size_t) i * d->n_target_features, pos + i, n);
+            fused.resize((size_t) n * d->n_embd);
+            append_rows(*d, *c, features + (size_t) i * d->n_target_features, true, pos + i, n, n_rows - i - n,
+                        fused.data());
+            for (int j = 0; j < n; ++j) {
+                c->history.push(fused.data() + (size_t) j * d->n_embd, pos[i + j]);
+            }
         }
         c->last_pos = pos[n_rows - 1];
         return 0;
     }, -1);
 }
 
-static void check_step(const dflash_draft & d, const dflash_cache & c, llama_token first_token, int32_t start_pos) {
+static void prepare_step(dflash_draft & d, dflash_cache & c, llama_token first_token, int32_t start_pos) {
     if (first_token < 0 || first_token >= d.n_vocab) {
         fail("token %d is outside the vocabulary", first_token);
     }
     if (start_pos <= c.last_pos) {
         fail("the block starts at %d but the context already reaches %d", start_pos, c.last_pos);
     }
+    if (c.stale) {
+        rebuild_rings(d, c);
+    }
 }
 
 int dflash_draft_step(dflash_draft * d, dflash_cache * c, llama_token first_token, int32_t start_pos, float * logits,
                       llama_token * tokens) {
     return guarded([&]() -> int {
-        check_step(*d, *c, first_token, start_pos);
+        prepare_step(*d, *c, first_token, start_pos);
         run_step(*d, *c, first_token, start_pos, 0, d->block_size, logits, tokens);
         return 0;
     }, -1);
@@ -846,7 +1047,7 @@ int dflash_draft_step(dflash_draft * d, dflash_cache * c, llama_token first_toke
 int dflash_draft_propose(dflash_draft * d, dflash_cache * c, llama_token first_token, int32_t start_pos, int n,
                          llama_token * tokens) {
     return guarded([&]() -> int {
-        check_step(*d, *c, first_token, start_pos);
+        prepare_step(*d, *c, first_token, start_pos);
         if (n < 1 || n > d->block_size - 1) {
             fail("draft length %d outside 1..%d", n, d->block_size - 1);
         }

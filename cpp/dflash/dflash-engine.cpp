@@ -57,6 +57,7 @@ struct dflash_capture {
     std::vector<int> layer_ids;            // in the draft's order
     int n_embd = 0;
     bool active = false;
+    bool failed = false;                   // the last pass handed over an output we cannot read
     std::vector<std::vector<float>> rows;  // per captured layer: n_embd floats per batch token
 
     ~dflash_capture() {
@@ -88,7 +89,8 @@ struct dflash_capture {
         }
         if (slot >= 0) {
             if (t->type != GGML_TYPE_F32 || t->ne[0] != self->n_embd) {
-                return false;  // cancels the pass; reported as a decode failure
+                self->failed = true;
+                return false;  // ends the graph early: the caller checks (dflash_capture_check)
             }
             std::vector<float> & out = self->rows[slot];
             const size_t before = out.size();
@@ -98,7 +100,23 @@ struct dflash_capture {
         return true;
     }
 
-    int n_rows() const { return rows.empty() || n_embd == 0 ? 0 : (int) (rows[0].size() / n_embd); }
+    // rows of every captured layer (a pass that stopped early has fewer in the later layers)
+    int n_rows() const {
+        size_t n = rows.empty() ? 0 : rows[0].size();
+        for (const auto & r : rows) {
+            n = std::min(n, r.size());
+        }
+        return n_embd == 0 ? 0 : (int) (n / n_embd);
+    }
+
+    void check(int n_tokens) const {
+        if (failed) {
+            fail("the target's layer outputs could not be captured (not F32 rows of width %d)", n_embd);
+        }
+        if (n_rows() != n_tokens) {
+            fail("captured %d feature rows for %d tokens", n_rows(), n_tokens);
+        }
+    }
 
     // Feature rows (layers concatenated in the draft's order) of the given captured rows.
     void feature_rows(const int32_t * idx, int count, std::vector<float> & out) const {
@@ -232,8 +250,8 @@ struct dflash_engine {
         if (rc != 0) {
             fail("the target's decode failed with code %d at position %d", rc, pos0);
         }
-        if (capture_rows && capture->n_rows() != n) {
-            fail("captured %d feature rows for %d tokens", capture->n_rows(), n);
+        if (capture_rows) {
+            capture->check(n);
         }
     }
 
@@ -434,6 +452,7 @@ void dflash_capture_free(dflash_capture * capture) { delete capture; }
 void dflash_capture_begin(dflash_capture * capture, bool active) {
     capture->active = active;
     if (active) {
+        capture->failed = false;
         for (auto & r : capture->rows) {
             r.clear();
         }
@@ -441,6 +460,13 @@ void dflash_capture_begin(dflash_capture * capture, bool active) {
 }
 
 int dflash_capture_n_rows(const dflash_capture * capture) { return capture->n_rows(); }
+
+int dflash_capture_check(const dflash_capture * capture, int n_tokens) {
+    return guarded([&]() -> int {
+        capture->check(n_tokens);
+        return 0;
+    }, -1);
+}
 
 int dflash_capture_features(const dflash_capture * capture, float * out, int n_rows) {
     return guarded([&]() -> int {
@@ -475,6 +501,8 @@ void dflash_seq_free(dflash_seq * seq) { delete seq; }
 void dflash_seq_reset(dflash_seq * seq) { dflash_cache_clear(seq->cache); }
 
 void dflash_seq_truncate(dflash_seq * seq, llama_pos pos) { dflash_cache_truncate(seq->cache, pos); }
+
+dflash_cache * dflash_seq_cache(dflash_seq * seq) { return seq->cache; }
 
 int dflash_seq_commit(dflash_seq * seq, const dflash_capture * capture, const int32_t * rows, int n_rows, llama_pos pos0) {
     return guarded([&]() -> int {

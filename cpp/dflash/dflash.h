@@ -59,14 +59,27 @@ LLAMA_API const char * dflash_draft_format(const dflash_draft * draft);         
 // layers never keep more than their window needs (window - 1 rows), so their memory and attention
 // cost do not grow with cross_ctx. full_attention = true runs every layer as a full-attention
 // layer (windows ignored), for side-by-side validation.
+// Besides the layers' projected keys/values (on the draft's device), the cache keeps in host
+// memory the fused context row of its newest cross_ctx positions (n_embd floats each): after a
+// truncation, a shift or a restored state, the layers are rebuilt from it exactly, so a sliding
+// layer never loses rows its window still covers.
 LLAMA_API dflash_cache * dflash_cache_init(const dflash_draft * draft, int cross_ctx, bool full_attention);
 LLAMA_API void   dflash_cache_free(dflash_cache * cache);
 LLAMA_API void   dflash_cache_clear(dflash_cache * cache);
 // Drop the rows at positions >= pos (the target rolled back or reuses a cached prompt prefix).
 LLAMA_API void   dflash_cache_truncate(dflash_cache * cache, int32_t pos);
+// The target's context shift: drop the rows at positions [p0, p1) and move those at >= p1 by
+// delta (p1 + delta >= p0 when delta < 0). Returns 0 on success.
+LLAMA_API int    dflash_cache_shift(dflash_cache * cache, int32_t p0, int32_t p1, int32_t delta);
+// The cache's state as bytes (the rows and their positions), to save beside the target's own
+// state and put back later into a cache of the same draft. get returns the bytes written (0 if
+// size is too small); set returns 0 on success.
+LLAMA_API size_t dflash_cache_state_size(const dflash_cache * cache);
+LLAMA_API size_t dflash_cache_state_get(const dflash_cache * cache, uint8_t * dst, size_t size);
+LLAMA_API int    dflash_cache_state_set(dflash_cache * cache, const uint8_t * src, size_t size);
 LLAMA_API int    dflash_cache_capacity(const dflash_cache * cache, int il);  // rows kept by layer il
 LLAMA_API int    dflash_cache_n_rows(const dflash_cache * cache, int il);    // rows held now
-LLAMA_API size_t dflash_cache_size_bytes(const dflash_cache * cache);
+LLAMA_API size_t dflash_cache_size_bytes(const dflash_cache * cache);       // the layers' keys/values
 
 // Append context rows: features is n_rows x n_target_features floats, row-major, each row the
 // concatenation of the target layers in the draft's order; pos are the rows' target positions,
@@ -101,6 +114,10 @@ LLAMA_API void dflash_capture_free(dflash_capture * capture);
 LLAMA_API void dflash_capture_begin(dflash_capture * capture, bool active);
 // Rows captured by the last pass (one per batch token, in batch order).
 LLAMA_API int  dflash_capture_n_rows(const dflash_capture * capture);
+// Call after llama_decode: 0 when the pass captured n_tokens rows of every layer. A failed capture
+// (an output of another type or width) ends the graph early while llama_decode still returns 0,
+// so the pass's logits must not be used then.
+LLAMA_API int  dflash_capture_check(const dflash_capture * capture, int n_tokens);
 // Copy the last pass's feature rows (layers concatenated in capture order) into out, which holds
 // n_rows x n_layers x n_embd floats. Returns 0 on success.
 LLAMA_API int  dflash_capture_features(const dflash_capture * capture, float * out, int n_rows);
@@ -113,6 +130,8 @@ LLAMA_API void dflash_seq_free(dflash_seq * seq);
 // pos tokens of the last one's prompt).
 LLAMA_API void dflash_seq_reset(dflash_seq * seq);
 LLAMA_API void dflash_seq_truncate(dflash_seq * seq, llama_pos pos);
+// The cross-context of the sequence (for dflash_cache_shift and the state functions).
+LLAMA_API dflash_cache * dflash_seq_cache(dflash_seq * seq);
 // Commit rows (indices into the last pass's captured rows) at positions pos0, pos0+1, ...
 LLAMA_API int  dflash_seq_commit(dflash_seq * seq, const dflash_capture * capture, const int32_t * rows, int n_rows,
                                  llama_pos pos0);

@@ -61,6 +61,24 @@ class Draft:
         """One draft step over these context rows: (logits [block, vocab], argmax of rows 1..).
         truncate_at >= 0 drops the rows at positions >= it first; then_* rows are appended after."""
 
+class CrossContext:
+    """One sequence's cross-context for a Draft, driven by hand as a server slot drives it."""
+
+    def __init__(self, draft: Draft, cross_ctx: int, full_attention: bool = False) -> None: ...
+    def append(self, features: npt.ArrayLike, positions: npt.ArrayLike) -> None:
+        """Feature rows (rows, n_target_features) at increasing positions after the last."""
+    def truncate(self, pos: int) -> None:
+        """Drop the rows at positions >= pos."""
+    def shift(self, p0: int, p1: int, delta: int) -> None:
+        """A context shift: drop positions [p0, p1), move the rows at >= p1 by delta."""
+    def state(self) -> bytes:
+        """The rows and their positions, for set_state on a context of the same draft."""
+    def set_state(self, state: bytes) -> None: ...
+    def n_rows(self) -> list[int]:
+        """Rows held per layer."""
+    def step(self, first_token: int, start: int) -> tuple[npt.NDArray[np.float32], list[int]]:
+        """One draft step: (logits [block, vocab], argmax of rows 1..)."""
+
 class Engine:
     """The speculative loop on a target Model (draft None: the target alone)."""
 

@@ -1,0 +1,156 @@
+"""llama-server with DFlash on every path that rewrites a slot's cache (issue: exact on every slot
+path): a chat continued then edited (hybrid checkpoints), prompts swapped through the RAM cache,
+/slots save and restore, context shifts of a long prompt and of a long generation, and two
+slots. Each conversation runs on the target alone and with the draft; the replies must match.
+
+Random drafts accept nothing, so whether the draft kept the right context shows here in the
+server's log for each path, in test_draft.py's exact checks of truncation, shift and state, and
+in the built-in pair's acceptance (benchmarks/server_paths.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ikdflash import Server
+from ikdflash.client import post_json, post_json_concurrently
+from ikdflash.spectype import SpecType
+
+SWA = dict(layer_types=["sliding_attention"] * 2 + ["full_attention"], sliding_window=8, block_size=16)
+STORY = ("the quick brown fox jumps over the lazy dog, and the cat sat on the mat while the rain fell "
+         "on the old town by the river. ")
+OTHER = "once upon a time there was a little server that could, and it answered every request. "
+# the phrases that end the server's draft context instead of keeping it
+DRAFT_RESETS = ("resetting the draft context", "dflash: no draft")
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_model, tiny_draft):
+    out = {}
+    for arch in ("llama", "qwen35moe"):
+        target = tiny_model(arch)
+        out[arch] = (target, tiny_draft(target, target_layer_ids=[0, 2], seed=5, **SWA))
+    return out
+
+
+def dflash_args(draft) -> list[str]:
+    return ["--model-draft", str(draft), "--spec-type", SpecType(n_max=4).flag()]
+
+
+def completion(prompt: str | list[int], n_predict: int, **extra) -> dict:
+    return {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "cache_prompt": True, **extra}
+
+
+def run(url: str, steps: list) -> list[dict]:
+    """Requests in order; a step ("save"|"restore"|"erase", filename) acts on slot 0 instead, and a
+    list of bodies is sent concurrently."""
+    replies = []
+    for step in steps:
+        if isinstance(step, tuple):
+            action, filename = step
+            post_json(f"{url}/slots/0?action={action}", {"filename": filename})
+        elif isinstance(step, list):
+            replies += post_json_concurrently(url + "/completion", step)
+        else:
+            replies.append(post_json(url + "/completion", step))
+    return replies
+
+
+def side_by_side(target, draft, tmp_path, steps, ctx=1024, args=()) -> tuple[list[dict], list[dict], str]:
+    """The conversation on the target alone and with the draft (each on a fresh server):
+    (plain replies, DFlash replies, the DFlash server's log)."""
+    with Server(target, ctx_size=ctx, n_threads=2, log_file=tmp_path / "plain.log", extra_args=list(args)) as url:
+        plain = run(url, steps)
+    log = tmp_path / "dflash.log"
+    with Server(target, ctx_size=ctx, n_threads=2, log_file=log, extra_args=[*args, *dflash_args(draft)]) as url:
+        spec = run(url, steps)
+    return plain, spec, log.read_text()
+
+
+def assert_same_text(plain: list[dict], spec: list[dict]) -> None:
+    assert [r["content"] for r in spec] == [r["content"] for r in plain]
+    assert all(r["timings"]["draft_n"] > 0 for r in spec)
+
+
+def stop_string(target, tmp_path, prompt: str) -> tuple[str, str]:
+    """A stop string the target alone reaches mid-reply: (text before it, the string)."""
+    with Server(target, ctx_size=1024, n_threads=2, log_file=tmp_path / "probe.log") as url:
+        text = post_json(url + "/completion", completion(prompt, 24, ignore_eos=True, cache_prompt=False))["content"]
+    for k in range(len(text) // 3, len(text) - 6):
+        if text.find(text[k:k + 5]) == k and text[k:k + 5].strip():
+            return text[:k], text[k:k + 5]
+    pytest.fail(f"no usable stop string in {text!r}")
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+def test_chat_continued_then_edited(pairs, tmp_path, arch, parallel):
+    """Request 1 ends on a stop string mid-step (rejected drafts: for the hybrid target the final
+    checkpoint must hold the state after the replay of the kept tokens); request 2 continues the
+    chat, request 3 edits request 2's turn, which restores that checkpoint."""
+    target, draft = pairs[arch]
+    before, stop = stop_string(target, tmp_path, STORY * 2)
+    turn = STORY * 2 + before + stop
+    steps = [completion(STORY * 2, 24, stop=[stop], ignore_eos=True),
+             completion(turn + " and then the user asked about the river", 16, ignore_eos=True),
+             completion(turn + " but the user asked about the cat instead", 16, ignore_eos=True)]
+    plain, spec, log = side_by_side(target, draft, tmp_path, steps, ctx=1024 * parallel,
+                                    args=["--parallel", str(parallel)])
+    assert plain[0]["stopped_word"] and spec[0]["stopped_word"]
+    assert_same_text(plain, spec)
+    if arch == "qwen35moe":
+        assert "restored context checkpoint" in log
+    assert not any(phrase in log for phrase in DRAFT_RESETS)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+def test_prompts_swapped_through_the_ram_cache(pairs, tmp_path, arch):
+    """Conversation A, then B (A goes to the RAM cache), then A continued (A comes back)."""
+    target, draft = pairs[arch]
+    a, b = STORY * 3, OTHER * 3
+    steps = [completion(a, 16, ignore_eos=True), completion(b, 16, ignore_eos=True),
+             completion(a + " and so", 16, ignore_eos=True)]
+    plain, spec, log = side_by_side(target, draft, tmp_path, steps, args=["--cache-ram", "64"])
+    assert_same_text(plain, spec)
+    assert "found better prompt" in log
+    assert not any(phrase in log for phrase in DRAFT_RESETS)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+def test_slot_save_and_restore(pairs, tmp_path, arch):
+    target, draft = pairs[arch]
+    saved = tmp_path / "slots"
+    saved.mkdir()
+    a, b = STORY * 3, OTHER * 3
+    steps = [completion(a, 16, ignore_eos=True), ("save", "a.bin"), completion(b, 16, ignore_eos=True),
+             ("restore", "a.bin"), completion(a + " and so", 16, ignore_eos=True)]
+    plain, spec, log = side_by_side(target, draft, tmp_path, steps,
+                                    args=["--slot-save-path", str(saved), "--cache-ram", "0"])
+    assert_same_text(plain, spec)
+    assert (saved / "a.bin.dflash").is_file()
+    assert not any(phrase in log for phrase in DRAFT_RESETS + ("no usable draft rows",))
+
+
+# context shifts: the base refuses them for hybrid targets (a recurrent state cannot be shifted),
+# with or without a draft, so they run on llama only
+
+def test_a_prompt_longer_than_the_context(pairs, tmp_path):
+    """Request 2 extends request 1's prompt past the context: the server discards part of the
+    cached prompt and shifts the rest (context_shift_prompt); the draft's rows move with it."""
+    target, draft = pairs["llama"]
+    steps = [completion(STORY * 2, 8, ignore_eos=True), completion(STORY * 8, 16, ignore_eos=True, n_keep=4)]
+    plain, spec, log = side_by_side(target, draft, tmp_path, steps, ctx=256, args=["--context-shift", "on"])
+    assert_same_text(plain, spec)
+    assert "dflash: context shift" in log
+    assert not any(phrase in log for phrase in DRAFT_RESETS)
+
+
+def test_a_generation_that_shifts_the_context(pairs, tmp_path):
+    """Before, the draft kept its rows at the old positions: the next draft failed and the whole
+    context was reset with a warning, the valid prefix included."""
+    target, draft = pairs["llama"]
+    steps = [completion(STORY, 300, ignore_eos=True, n_keep=4)]
+    plain, spec, log = side_by_side(target, draft, tmp_path, steps, ctx=128, args=["--context-shift", "on"])
+    assert_same_text(plain, spec)
+    assert spec[0]["truncated"] and spec[0]["tokens_predicted"] == 300
+    assert "dflash: context shift" in log
+    assert not any(phrase in log for phrase in DRAFT_RESETS)
