@@ -155,6 +155,21 @@ def test_truncating_the_cross_context(target, drafts, cross_ctx):
     assert not np.allclose(cut, whole)
 
 
+def test_a_long_append_keeps_the_newest_rows(target, drafts):
+    """600 rows at once (projected 256 a graph): chunks whose rows every ring would overwrite
+    before the append ends only feed the history; the step sees the newest rows, as if only those
+    had been appended."""
+    _, _, model = target
+    draft = _core.Draft(model, str(drafts["swa-5+1"][1]))
+    rows = context(600, draft.info()["n_target_features"])
+    cache = _core.CrossContext(draft, 100)
+    cache.append(rows, np.arange(600, dtype=np.int32))
+    assert cache.n_rows() == [WINDOW - 1] * 5 + [100]
+    newest = _core.CrossContext(draft, 100)
+    newest.append(rows[500:], np.arange(500, 600, dtype=np.int32))
+    np.testing.assert_allclose(cache.step(65, 600)[0], newest.step(65, 600)[0], rtol=1e-6, atol=1e-6)
+
+
 def test_shifting_the_cross_context(target, drafts):
     """The server's context shift drops positions [p0, p1) and moves the later rows back: the
     moved rows' keys are re-rotated for their new positions, as a fresh cache would hold them."""
@@ -388,3 +403,4 @@ def test_convert_command_line(target, tmp_path):
     assert (folder / "d-Q8_0.gguf").is_file() and "wrote" in ok.stderr
     bad = subprocess.run(["ikdflash", "convert", str(folder)], capture_output=True, text=True)
     assert bad.returncode == 2 and "--target-model-dir" in bad.stderr
+

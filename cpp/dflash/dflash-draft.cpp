@@ -653,7 +653,9 @@ void append_rows(dflash_draft & d, dflash_cache & c, const float * in, bool fuse
     }
     d.allocate(d.sched_append, gf);
     ggml_backend_tensor_set(inp, in, 0, ggml_nbytes(inp));
-    ggml_backend_tensor_set(inp_pos, pos, 0, ggml_nbytes(inp_pos));
+    if (!updates.empty()) {  // positions are only read by the projections
+        ggml_backend_tensor_set(inp_pos, pos, 0, ggml_nbytes(inp_pos));
+    }
     d.compute(d.sched_append, gf, "the context rows");
     if (fused_out != nullptr) {
         ggml_backend_tensor_get(rows, fused_out, 0, ggml_nbytes(rows));

@@ -155,9 +155,14 @@ def conversation_pieces(template: str, messages: Sequence[tuple[str, str]]) -> l
     return pieces
 
 
+# kind "generated": the temperature of each answer in turn (greedy, every fourth one sampled, so
+# the draft also sees the target's less likely continuations)
+ANSWER_TEMPERATURES = (0.0, 0.0, 0.0, 0.8)
+
+
 def build(target: str | os.PathLike[str], conversations: Iterable[Conversation], folder: str | os.PathLike[str], *,
           layer_ids: Sequence[int], kind: str = "corpus", max_rows: int, seq_len: int = 1024,
-          answer_tokens: int = 256, temperatures: Sequence[float] = (0.0,), n_threads: int | None = None,
+          answer_tokens: int = 256, temperatures: Sequence[float] = ANSWER_TEMPERATURES, n_threads: int | None = None,
           seed: int = 0, system: str | None = None, progress: bool = True) -> Dataset:
     """Add sequences to the data folder until it holds max_rows rows (resuming where it stopped).
     system: a system message put first in every conversation (None: the template's default)."""
