@@ -78,12 +78,13 @@ def run_path(path: str, url: str, conv: Conversation, other: list[int]) -> tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     target, draft = resolve_pair(DEFAULT_PAIR)
     spec = ["--model-draft", str(draft), "--spec-type", SpecType(n_max=4).flag()]
     template = chat_template(target)
-    totals = {p: {"path": [0, 0], "fresh": [0, 0], "same_text": 0, "n": 0} for p in PATHS}
+    totals = {p: {"path": [0, 0], "fresh": [0, 0], "same_text": 0, "n": 0} for p in args.paths}
     with Model(target, n_ctx=2048, n_threads=2) as model, tempfile.TemporaryDirectory() as tmp:
         other = model.tokenize(render(template, [("system", SYSTEM), ("user", OTHER)], add_generation_prompt=True),
                                add_special=False, parse_special=True)
@@ -91,7 +92,7 @@ def main() -> None:
         convs = [Conversation(model, template, q, 160) for q in itertools.islice(questions, args.prompts * 3)]
         convs = [c for c in convs if len(c.answer) >= 100 and c.continued is not None][:args.prompts]
         print(f"{len(convs)} held-out prompts with answers of 100+ tokens")
-        for path in PATHS:
+        for path in args.paths:
             extra = ["--slot-save-path", tmp, "--cache-ram", "0"] if path == "slot-restore" else []
             finals = []
             with Server(target, ctx_size=2048, n_threads=2, extra_args=[*extra, *spec]) as url:
