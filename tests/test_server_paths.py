@@ -99,7 +99,7 @@ def test_chat_continued_then_edited(pairs, tmp_path, arch, parallel):
     assert_same_text(plain, spec)
     # a state that ran over other tokens can keep the argmax of a tiny random model: compare the
     # probabilities too (within the rounding of batches of other sizes)
-    for got, want in zip(spec[1:], plain[1:]):
+    for got, want in zip(spec[1:], plain[1:], strict=True):
         for g, w in zip(got["completion_probabilities"], want["completion_probabilities"], strict=True):
             assert g["probs"][0]["prob"] == pytest.approx(w["probs"][0]["prob"], rel=1e-2)
     if arch == "qwen35moe":
