@@ -131,6 +131,21 @@ def test_statistics_add_up_and_reach_metrics(oracle_pair, tmp_path):
     assert "dflash: cross_ctx = 64, block = 8" in (tmp_path / "s.log").read_text()
 
 
+def test_drafts_past_a_stop_are_not_counted(oracle_pair, tmp_path):
+    """The oracle target always picks token 0 (the byte 0x00) and the draft always agrees: the
+    prompt pass gives token 1, the first step tokens 2-6 (4 drafts + the target's own), and a stop
+    string of 7 such bytes ends the reply at the first token of the second step, a draft. Only
+    the 5 drafts returned count as accepted, not the 3 of the second step past the stop."""
+    target, draft, _ = oracle_pair
+    with Server(target, ctx_size=512, n_threads=2, log_file=tmp_path / "s.log",
+                extra_args=dflash_args(draft, SpecType(n_max=4, cross_ctx=64))) as url:
+        reply = post_json(url + "/completion", {"prompt": "hello", "n_predict": 30, "temperature": 0,
+                                                "ignore_eos": True, "stop": ["\x00" * 7]})
+    assert reply["stopped_word"] and reply["tokens_predicted"] == 7
+    assert reply["timings"]["draft_n"] == 8
+    assert reply["timings"]["draft_n_accepted"] == 5
+
+
 TWO_PROMPTS = [PROMPT, "once upon a time there was a little server that could. " * 3]
 
 

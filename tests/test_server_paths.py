@@ -47,7 +47,7 @@ def run(url: str, steps: list) -> list[dict]:
     for step in steps:
         if isinstance(step, tuple):
             action, filename = step
-            post_json(f"{url}/slots/0?action={action}", {"filename": filename})
+            post_json(f"{url}/slots/0?action={action}", {"filename": filename}, timeout=60)
         elif isinstance(step, list):
             replies += post_json_concurrently(url + "/completion", step)
         else:
@@ -159,3 +159,16 @@ def test_a_generation_that_shifts_the_context(pairs, tmp_path):
     assert spec[0]["truncated"] and spec[0]["tokens_predicted"] == 300
     assert "dflash: context shift" in log
     assert not any(phrase in log for phrase in DRAFT_RESETS)
+
+
+def test_slot_actions_after_short_requests_never_hang(pairs, tmp_path):
+    """A /slots action right after a short completion: the base posted the task before waiting
+    for its result, so a result that came first was dropped and the request hung (patch 0010)."""
+    target, draft = pairs["llama"]
+    saved = tmp_path / "slots"
+    saved.mkdir()
+    with Server(target, ctx_size=512, n_threads=2, log_file=tmp_path / "s.log",
+                extra_args=["--slot-save-path", str(saved), *dflash_args(draft)]) as url:
+        for i in range(30):
+            post_json(url + "/completion", completion(STORY, 2))
+            post_json(f"{url}/slots/0?action=save", {"filename": f"s{i}.bin"}, timeout=10)
