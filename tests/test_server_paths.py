@@ -9,10 +9,13 @@ in the built-in pair's acceptance (benchmarks/server_paths.py)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ikdflash import Server
 from ikdflash.client import post_json, post_json_concurrently
+from ikdflash.model import Model
 from ikdflash.spectype import SpecType
 
 SWA = dict(layer_types=["sliding_attention"] * 2 + ["full_attention"], sliding_window=8, block_size=16)
@@ -32,8 +35,8 @@ def pairs(tiny_model, tiny_draft):
     return out
 
 
-def dflash_args(draft) -> list[str]:
-    return ["--model-draft", str(draft), "--spec-type", SpecType(n_max=4).flag()]
+def dflash_args(draft, log_drafts: bool = False) -> list[str]:
+    return ["--model-draft", str(draft), "--spec-type", SpecType(n_max=4, log_drafts=log_drafts).flag()]
 
 
 def completion(prompt: str | list[int], n_predict: int, **extra) -> dict:
@@ -172,3 +175,48 @@ def test_slot_actions_after_short_requests_never_hang(pairs, tmp_path):
         for i in range(30):
             post_json(url + "/completion", completion(STORY, 2))
             post_json(f"{url}/slots/0?action=save", {"filename": f"s{i}.bin"}, timeout=10)
+
+
+# --- the draft's context: what it proposes after each path, against a fresh request -----------
+
+def proposals(log: str) -> dict[int, list[tuple[str, ...]]]:
+    """The proposals a server logged (log_drafts=1), by task: (after token, at position, ids)."""
+    out: dict[int, list[tuple[str, ...]]] = {}
+    for m in re.finditer(r"task (\d+) \| dflash: drafts after (\d+) at (\d+):([\d ]*)", log):
+        out.setdefault(int(m[1]), []).append(m.group(2, 3, 4))
+    return out
+
+
+@pytest.mark.parametrize("path", ["edit", "ram-cache", "slot-restore"])
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+def test_the_draft_proposes_what_a_fresh_request_proposes(pairs, tmp_path, arch, path):
+    """The output is the target's either way; the draft's context shows in its proposals. After
+    an edit of a reply (the window-8 rings have wrapped), a prompt swapped through the RAM cache,
+    or a slot saved and restored, the last request's proposals equal those of a fresh server given
+    the same tokens (before, the draft lost its rows or kept another conversation's)."""
+    target, draft = pairs[arch]
+    with Model(target, n_ctx=1024) as model:
+        first = model.tokenize(STORY * 3)
+        reply = model.generate(first, max_tokens=40, stop_at_eog=False).tokens
+        other = model.tokenize(OTHER * 3)
+        final = first + reply[:24] + (model.tokenize(" and then", add_special=False) if path != "edit" else [])
+    saved = tmp_path / "slots"
+    saved.mkdir()
+    args = ["--slot-save-path", str(saved), "--cache-ram", "0"] if path == "slot-restore" else []
+    steps = [completion(first, 40, ignore_eos=True)]
+    if path == "ram-cache":
+        steps += [completion(other, 8, ignore_eos=True)]
+    if path == "slot-restore":
+        steps += [("save", "a.bin"), completion(other, 8, ignore_eos=True), ("restore", "a.bin")]
+    steps += [completion(final, 16, ignore_eos=True)]
+    log = tmp_path / "path.log"
+    with Server(target, ctx_size=1024, n_threads=2, log_file=log, extra_args=[*args, *dflash_args(draft, True)]) as url:
+        reply_on_path = run(url, steps)[-1]
+    fresh_log = tmp_path / "fresh.log"
+    with Server(target, ctx_size=1024, n_threads=2, log_file=fresh_log, extra_args=dflash_args(draft, True)) as url:
+        fresh = post_json(url + "/completion", completion(final, 16, ignore_eos=True))
+    assert reply_on_path["content"] == fresh["content"]
+    assert reply_on_path["tokens_cached"] > len(first)  # the path reused the cached cells
+    on_path, from_scratch = proposals(log.read_text()), proposals(fresh_log.read_text())
+    assert len(from_scratch) == 1
+    assert on_path[max(on_path)] == next(iter(from_scratch.values()))

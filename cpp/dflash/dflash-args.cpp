@@ -59,9 +59,11 @@ int dflash_parse_spec_options(const char * text, dflash_spec_options * options) 
                 options->cross_ctx = (int32_t) parse_int(key, value, 1);
             } else if (key == "full_attention") {
                 options->full_attention = parse_int(key, value, 0) != 0;
+            } else if (key == "log_drafts") {
+                options->log_drafts = parse_int(key, value, 0) != 0;
             } else {
                 fail("--spec-type dflash: unknown key '%s' (known: n_max, n_min, p_min, cross_ctx, "
-                     "dflash_cross_ctx, full_attention)", key.c_str());
+                     "dflash_cross_ctx, full_attention, log_drafts)", key.c_str());
             }
         }
         return 0;

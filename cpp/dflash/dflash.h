@@ -187,7 +187,7 @@ LLAMA_API int dflash_engine_generate(dflash_engine * engine, const llama_token *
 // --- command line --------------------------------------------------------------------------------
 
 // What `--spec-type dflash:k=v,...` sets. Keys, as ik_llama.cpp spells them: n_max, n_min,
-// p_min, cross_ctx (alias dflash_cross_ctx); ours: full_attention (0/1). cross_ctx 0 means
+// p_min, cross_ctx (alias dflash_cross_ctx); ours: full_attention, log_drafts (0/1). cross_ctx 0 means
 // "follow the context size".
 struct dflash_spec_options {
     int32_t n_max;
@@ -195,6 +195,7 @@ struct dflash_spec_options {
     float   p_min;
     int32_t cross_ctx;
     bool    full_attention;
+    bool    log_drafts;      // ours: log every proposal (tests compare them across server paths)
 };
 
 // Parse the part after "dflash:" into options (fields not named keep their values). Returns 0,

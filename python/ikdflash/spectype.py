@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-KEYS = ("n_max", "n_min", "p_min", "cross_ctx", "full_attention")
+KEYS = ("n_max", "n_min", "p_min", "cross_ctx", "full_attention", "log_drafts")
+SWITCHES = ("full_attention", "log_drafts")  # 0/1 on the command line
 ALIASES = {"dflash_cross_ctx": "cross_ctx"}
 
 
@@ -30,6 +31,7 @@ class SpecType:
     p_min: float | None = None
     cross_ctx: int | None = None
     full_attention: bool = False
+    log_drafts: bool = False  # the server logs every proposal (for comparing runs)
 
     def __post_init__(self) -> None:
         for name, low in (("n_max", 1), ("n_min", 0), ("cross_ctx", 1)):
@@ -42,9 +44,8 @@ class SpecType:
     def flag(self) -> str:
         """The value of --spec-type."""
         parts = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
-                 if f.name != "full_attention" and getattr(self, f.name) is not None]
-        if self.full_attention:
-            parts.append("full_attention=1")
+                 if f.name not in SWITCHES and getattr(self, f.name) is not None]
+        parts += [f"{name}=1" for name in SWITCHES if getattr(self, name)]
         return "dflash" + (":" + ",".join(parts) if parts else "")
 
     @classmethod
@@ -65,6 +66,7 @@ class SpecType:
                 values[key] = float(value) if key == "p_min" else int(value)
             except ValueError:
                 raise SpecTypeError(f"--spec-type dflash: {key}={value} is not a number") from None
-        if "full_attention" in values:
-            values["full_attention"] = bool(values["full_attention"])
+        for name in SWITCHES:
+            if name in values:
+                values[name] = bool(values[name])
         return cls(**values)  # type: ignore[arg-type]
