@@ -11,4 +11,5 @@ from ikdflash.engine import Engine, SpeculationResult, SpeculationStats
 from ikdflash.client import Completion, complete
 from ikdflash.server import Server, ServerError
 
-__all__ = ["Completion", "Engine", "Generation", "Model", "Server", "ServerError", "SpeculationResult", "SpeculationStats", "__version__", "build_info", "complete"]
+__all__ = ["Completion", "Engine", "Generation", "Model", "Server", "ServerError", "SpeculationResult",
+           "SpeculationStats", "__version__", "build_info", "complete"]

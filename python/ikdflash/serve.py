@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--ctx-size", type=int, default=8192, help="context size (default 8192)")
     parser.add_argument("--gpu-layers", type=int, help="target layers on the GPU (llama-server -ngl)")
     parser.add_argument("--gpu-layers-draft", type=int,
-                        help="draft placement (-ngld): default follows the target's output layer, 0 keeps it on the CPU")
+                        help="draft placement (-ngld): default follows the target's output layer, "
+                             "0 keeps it on the CPU")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080, help="port, or 0 for a free one (default 8080)")
     parser.add_argument("--log-file", type=Path, help="write the server's log here instead of stdout")
