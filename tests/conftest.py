@@ -52,6 +52,15 @@ def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 
 @pytest.fixture(scope="session")
+def swa_pairs(tiny_model, tiny_draft):
+    """arch -> (target, random draft): tiny llama and qwen35moe (hybrid) targets, each with a
+    3-layer draft, sliding window 8 on two layers, block 16, for the server tests."""
+    swa = dict(layer_types=["sliding_attention"] * 2 + ["full_attention"], sliding_window=8, block_size=16)
+    return {arch: (tiny_model(arch), tiny_draft(tiny_model(arch), target_layer_ids=[0, 2], seed=5, **swa))
+            for arch in ("llama", "qwen35moe")}
+
+
+@pytest.fixture(scope="session")
 def oracle_pair(tiny_model, tiny_draft, tmp_path_factory):
     """A target whose head is all zeros, so it always picks token 0, and two drafts borrowing
     heads: one that agrees (the same zero head) and one that never proposes token 0."""

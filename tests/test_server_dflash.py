@@ -15,19 +15,7 @@ from ikdflash.spectype import SpecType
 from gguf_edit import rewrite
 
 PROMPT = "the quick brown fox jumps over the lazy dog, and the cat sat on the mat. " * 3
-SWA = dict(layer_types=["sliding_attention"] * 2 + ["full_attention"], sliding_window=8, block_size=16)
 CTX = 1024
-
-
-@pytest.fixture(scope="module")
-def pairs(tiny_model, tiny_draft):
-    out = {}
-    for arch in ("llama", "qwen35moe"):
-        target = tiny_model(arch)
-        out[arch] = (target, tiny_draft(target, target_layer_ids=[0, 2], seed=5, **SWA))
-    return out
-
-
 N_MAX_4 = SpecType(n_max=4)
 
 
@@ -71,8 +59,8 @@ def all_outputs(url: str) -> dict[str, tuple[str, dict | None]]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
-def test_lossless_on_every_endpoint(pairs, tmp_path, arch):
-    target, draft = pairs[arch]
+def test_lossless_on_every_endpoint(swa_pairs, tmp_path, arch):
+    target, draft = swa_pairs[arch]
     with Server(target, ctx_size=CTX, n_threads=2, log_file=tmp_path / "plain.log") as url:
         plain = all_outputs(url)
     log = tmp_path / "dflash.log"
@@ -86,10 +74,10 @@ def test_lossless_on_every_endpoint(pairs, tmp_path, arch):
     assert "dflash: cross_ctx = 1024 (the slot context)" in log.read_text()
 
 
-def test_the_draft_is_placed_like_the_target(pairs, tmp_path):
+def test_the_draft_is_placed_like_the_target(swa_pairs, tmp_path):
     """With -ngl 99 the draft follows the target's output layer: onto CUDA0 on a GPU build, the CPU
     otherwise (where -ngl is ignored); -ngld 0 keeps it on the CPU on either."""
-    target, draft = pairs["qwen35moe"]
+    target, draft = swa_pairs["qwen35moe"]
     request = {"prompt": PROMPT, "n_predict": 24, "temperature": 0, "ignore_eos": True}
     with Server(target, ctx_size=CTX, n_threads=2, extra_args=["-ngl", "99"]) as url:
         plain = post_json(url + "/completion", request)["content"]
@@ -105,10 +93,10 @@ def test_the_draft_is_placed_like_the_target(pairs, tmp_path):
             assert reply["content"] == plain
 
 
-def test_relative_paths_in_extra_args(pairs, monkeypatch):
+def test_relative_paths_in_extra_args(swa_pairs, monkeypatch):
     """The server runs in the temp folder (it writes a llama.log where it runs): a relative path
     given in extra_args still means the caller's file."""
-    target, draft = pairs["llama"]
+    target, draft = swa_pairs["llama"]
     monkeypatch.chdir(draft.parent)
     server = Server(target, ctx_size=CTX, n_threads=2, extra_args=dflash_args(draft.name))
     assert str(draft) in server.command()
@@ -151,12 +139,12 @@ TWO_PROMPTS = [PROMPT, "once upon a time there was a little server that could. "
 
 @pytest.mark.parametrize("parallel", [1, 2])
 @pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
-def test_concurrent_requests_are_lossless(pairs, tmp_path, arch, parallel):
+def test_concurrent_requests_are_lossless(swa_pairs, tmp_path, arch, parallel):
     """Two requests at once: queued on one slot, or on two slots whose drafts are verified in the
     same batches (each rejection then leaves holes in the KV cache under the other slot's cells,
     which the base mishandled: patch 0005). Every reply equals plain decoding, and with --parallel 2
     so do the top probabilities it reports (each slot's own logits rows: patch 0006)."""
-    target, draft = pairs[arch]
+    target, draft = swa_pairs[arch]
     bodies = [{"prompt": p, "n_predict": 32, "temperature": 0, "ignore_eos": True, "cache_prompt": False,
                "n_probs": 2} for p in TWO_PROMPTS]
     with Server(target, ctx_size=CTX, n_threads=2, log_file=tmp_path / "plain.log") as url:
@@ -176,10 +164,10 @@ def test_concurrent_requests_are_lossless(pairs, tmp_path, arch, parallel):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
-def test_a_cached_prompt_prefix_keeps_its_draft_context(pairs, tmp_path, arch):
+def test_a_cached_prompt_prefix_keeps_its_draft_context(swa_pairs, tmp_path, arch):
     """A request that extends the last one's prompt: the server reuses the cached prefix, and the
     draft keeps the context rows of that prefix instead of starting empty (lossless either way)."""
-    target, draft = pairs[arch]
+    target, draft = swa_pairs[arch]
     bodies = [{"prompt": p, "n_predict": 16, "temperature": 0, "ignore_eos": True, "cache_prompt": True}
               for p in (PROMPT, PROMPT + "and then the fox ran home. ")]
     with Server(target, ctx_size=CTX, n_threads=2, log_file=tmp_path / "plain.log") as url:
@@ -194,8 +182,8 @@ def test_a_cached_prompt_prefix_keeps_its_draft_context(pairs, tmp_path, arch):
     assert replies[1]["tokens_cached"] >= kept[1]
 
 
-def test_full_attention_switch(pairs, tmp_path):
-    target, draft = pairs["llama"]
+def test_full_attention_switch(swa_pairs, tmp_path):
+    target, draft = swa_pairs["llama"]
     log = tmp_path / "s.log"
     with Server(target, ctx_size=CTX, n_threads=2, log_file=log,
                 extra_args=dflash_args(draft, SpecType(n_max=4, full_attention=True))) as url:
@@ -210,8 +198,8 @@ def test_full_attention_switch(pairs, tmp_path):
     ("dflash:n_max=four", True, "n_max=four is not an integer"),
     ("dflash:n_max=4", False, "--spec-type dflash needs the DFlash draft: pass it with --model-draft"),
 ])
-def test_bad_flags_exit_with_their_reason(pairs, tmp_path, spec, extra, message):
-    target, draft = pairs["llama"]
+def test_bad_flags_exit_with_their_reason(swa_pairs, tmp_path, spec, extra, message):
+    target, draft = swa_pairs["llama"]
     args = (["--model-draft", str(draft)] if extra else []) + ["--spec-type", spec]
     log = tmp_path / "s.log"
     with pytest.raises(ServerError, match="exited with code 1 during start-up"):
@@ -219,9 +207,9 @@ def test_bad_flags_exit_with_their_reason(pairs, tmp_path, spec, extra, message)
     assert message in log.read_text()
 
 
-def test_mismatched_draft_is_refused(pairs, tmp_path):
-    target, _ = pairs["llama"]
-    _, other_draft = pairs["qwen35moe"]  # same vocabulary and width: only the layer ids are wrong
+def test_mismatched_draft_is_refused(swa_pairs, tmp_path):
+    target, _ = swa_pairs["llama"]
+    _, other_draft = swa_pairs["qwen35moe"]  # same vocabulary and width: only the layer ids are wrong
     bad = rewrite(other_draft, tmp_path / "bad.gguf", fields={"dflash-draft.dflash.target_layer_ids": [0, 9]})
     log = tmp_path / "s.log"
     with pytest.raises(ServerError, match="exited with code 1 during start-up"):

@@ -18,21 +18,11 @@ from ikdflash.client import post_json, post_json_concurrently
 from ikdflash.model import Model
 from ikdflash.spectype import SpecType
 
-SWA = dict(layer_types=["sliding_attention"] * 2 + ["full_attention"], sliding_window=8, block_size=16)
 STORY = ("the quick brown fox jumps over the lazy dog, and the cat sat on the mat while the rain fell "
          "on the old town by the river. ")
 OTHER = "once upon a time there was a little server that could, and it answered every request. "
 # the phrases that end the server's draft context instead of keeping it
 DRAFT_RESETS = ("resetting the draft context", "dflash: no draft")
-
-
-@pytest.fixture(scope="module")
-def pairs(tiny_model, tiny_draft):
-    out = {}
-    for arch in ("llama", "qwen35moe"):
-        target = tiny_model(arch)
-        out[arch] = (target, tiny_draft(target, target_layer_ids=[0, 2], seed=5, **SWA))
-    return out
 
 
 def dflash_args(draft, log_drafts: bool = False) -> list[str]:
@@ -86,11 +76,11 @@ def stop_string(target, tmp_path, prompt: str) -> tuple[str, str]:
 
 @pytest.mark.parametrize("parallel", [1, 2])
 @pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
-def test_chat_continued_then_edited(pairs, tmp_path, arch, parallel):
+def test_chat_continued_then_edited(swa_pairs, tmp_path, arch, parallel):
     """Request 1 ends on a stop string mid-step (rejected drafts: for the hybrid target the final
     checkpoint must hold the state after the replay of the kept tokens); request 2 continues the
     chat, request 3 edits request 2's turn, which restores that checkpoint."""
-    target, draft = pairs[arch]
+    target, draft = swa_pairs[arch]
     before, stop = stop_string(target, tmp_path, STORY * 2)
     turn = STORY * 2 + before + stop
     steps = [completion(STORY * 2, 24, stop=[stop], ignore_eos=True),
@@ -111,9 +101,9 @@ def test_chat_continued_then_edited(pairs, tmp_path, arch, parallel):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
-def test_prompts_swapped_through_the_ram_cache(pairs, tmp_path, arch):
+def test_prompts_swapped_through_the_ram_cache(swa_pairs, tmp_path, arch):
     """Conversation A, then B (A goes to the RAM cache), then A continued (A comes back)."""
-    target, draft = pairs[arch]
+    target, draft = swa_pairs[arch]
     a, b = STORY * 3, OTHER * 3
     steps = [completion(a, 16, ignore_eos=True), completion(b, 16, ignore_eos=True),
              completion(a + " and so", 16, ignore_eos=True)]
@@ -124,8 +114,8 @@ def test_prompts_swapped_through_the_ram_cache(pairs, tmp_path, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
-def test_slot_save_and_restore(pairs, tmp_path, arch):
-    target, draft = pairs[arch]
+def test_slot_save_and_restore(swa_pairs, tmp_path, arch):
+    target, draft = swa_pairs[arch]
     saved = tmp_path / "slots"
     saved.mkdir()
     a, b = STORY * 3, OTHER * 3
@@ -141,10 +131,10 @@ def test_slot_save_and_restore(pairs, tmp_path, arch):
 # context shifts: the base refuses them for hybrid targets (a recurrent state cannot be shifted),
 # with or without a draft, so they run on llama only
 
-def test_a_prompt_longer_than_the_context(pairs, tmp_path):
+def test_a_prompt_longer_than_the_context(swa_pairs, tmp_path):
     """Request 2 extends request 1's prompt past the context: the server discards part of the
     cached prompt and shifts the rest (context_shift_prompt); the draft's rows move with it."""
-    target, draft = pairs["llama"]
+    target, draft = swa_pairs["llama"]
     steps = [completion(STORY * 2, 8, ignore_eos=True), completion(STORY * 8, 16, ignore_eos=True, n_keep=4)]
     plain, spec, log = side_by_side(target, draft, tmp_path, steps, ctx=256, args=["--context-shift", "on"])
     assert_same_text(plain, spec)
@@ -152,10 +142,10 @@ def test_a_prompt_longer_than_the_context(pairs, tmp_path):
     assert not any(phrase in log for phrase in DRAFT_RESETS)
 
 
-def test_a_generation_that_shifts_the_context(pairs, tmp_path):
+def test_a_generation_that_shifts_the_context(swa_pairs, tmp_path):
     """Before, the draft kept its rows at the old positions: the next draft failed and the whole
     context was reset with a warning, the valid prefix included."""
-    target, draft = pairs["llama"]
+    target, draft = swa_pairs["llama"]
     steps = [completion(STORY, 300, ignore_eos=True, n_keep=4)]
     plain, spec, log = side_by_side(target, draft, tmp_path, steps, ctx=128, args=["--context-shift", "on"])
     assert_same_text(plain, spec)
@@ -164,10 +154,10 @@ def test_a_generation_that_shifts_the_context(pairs, tmp_path):
     assert not any(phrase in log for phrase in DRAFT_RESETS)
 
 
-def test_slot_actions_after_short_requests_never_hang(pairs, tmp_path):
+def test_slot_actions_after_short_requests_never_hang(swa_pairs, tmp_path):
     """A /slots action right after a short completion: the base posted the task before waiting
     for its result, so a result that came first was dropped and the request hung (patch 0010)."""
-    target, draft = pairs["llama"]
+    target, draft = swa_pairs["llama"]
     saved = tmp_path / "slots"
     saved.mkdir()
     with Server(target, ctx_size=512, n_threads=2, log_file=tmp_path / "s.log",
@@ -189,12 +179,12 @@ def proposals(log: str) -> dict[int, list[tuple[str, ...]]]:
 
 @pytest.mark.parametrize("path", ["edit", "ram-cache", "slot-restore"])
 @pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
-def test_the_draft_proposes_what_a_fresh_request_proposes(pairs, tmp_path, arch, path):
+def test_the_draft_proposes_what_a_fresh_request_proposes(swa_pairs, tmp_path, arch, path):
     """The output is the target's either way; the draft's context shows in its proposals. After
     an edit of a reply (the window-8 rings have wrapped), a prompt swapped through the RAM cache,
     or a slot saved and restored, the last request's proposals equal those of a fresh server given
     the same tokens (before, the draft lost its rows or kept another conversation's)."""
-    target, draft = pairs[arch]
+    target, draft = swa_pairs[arch]
     with Model(target, n_ctx=1024) as model:
         first = model.tokenize(STORY * 3)
         reply = model.generate(first, max_tokens=40, stop_at_eog=False).tokens
