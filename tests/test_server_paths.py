@@ -210,3 +210,24 @@ def test_the_draft_proposes_what_a_fresh_request_proposes(swa_pairs, tmp_path, a
     on_path, from_scratch = proposals(log.read_text()), proposals(fresh_log.read_text())
     assert len(from_scratch) == 1
     assert on_path[max(on_path)] == next(iter(from_scratch.values()))
+
+
+@pytest.mark.parametrize("draft_kind", ["random", "always-right"])
+def test_a_banned_string_rewinds_the_reply(swa_pairs, oracle_pair, tmp_path, draft_kind):
+    """A banned string the target reaches makes the server rewind the reply and resample there
+    (llama only: the base ignores banned strings for hybrid targets). Before, verification sampled
+    without the bans, so the banned text came back; a rewind inside a verified step (the
+    always-right draft: the oracle target repeats byte 0x00) banned the wrong positions and kept
+    the tokens after the ban; and the rewind kept the draft's rows past the cut."""
+    if draft_kind == "random":
+        target, draft = swa_pairs["llama"]
+        prompt, (_, banned) = STORY, stop_string(swa_pairs["llama"][0], tmp_path, STORY)
+    else:
+        (target, draft, _), prompt, banned = oracle_pair, "hello", "\x00" * 3
+    steps = [completion(prompt, 24, ignore_eos=True, banned_strings=[banned])]
+    plain, spec, log = side_by_side(target, draft, tmp_path, steps)
+    assert_same_text(plain, spec)
+    assert banned.lower() not in spec[0]["content"].lower()
+    assert not any(phrase in log for phrase in DRAFT_RESETS)
+    if draft_kind == "always-right":
+        assert spec[0]["timings"]["draft_n_accepted"] > 0
