@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from ikdflash import Engine, build_info
@@ -187,3 +191,31 @@ def test_proposals_match_the_reference_end_to_end(tiny_model, tmp_path, monkeypa
     # the reference counts its prefill token in no step; the last step may be cut by the budget
     assert ours.stats.step_lengths[:-1] == ref.acceptance_lengths[:len(ours.stats.step_lengths) - 1]
     assert sum(ref.acceptance_lengths) > len(ref.acceptance_lengths)  # some drafts were accepted
+
+
+FAILED_CAPTURE = """
+import sys
+from ikdflash import Engine
+target, draft, prompt = sys.argv[1:]
+with Engine(target, draft, n_ctx=512, n_threads=2) as engine:
+    try:
+        engine.speculate(prompt, max_tokens=24)
+    except ValueError as e:  # as every failure of the native generate loop
+        print("raised:", e)
+    print("then:", engine.speculate(prompt, max_tokens=24).tokens)
+    print("alone:", engine.generate(prompt, max_tokens=24).tokens)
+"""
+
+
+def test_a_failed_capture_raises_and_the_engine_goes_on(pairs):
+    """A pass whose layer outputs cannot be captured (injected on the 10th captured output, the
+    fault plan being read once per process, hence the subprocess) raises with the reason instead
+    of drafting from a graph cut short; the next call is exact."""
+    target, draft = pairs["llama"]
+    result = subprocess.run([sys.executable, "-c", FAILED_CAPTURE, str(target), str(draft), PROMPT],
+                            env={**os.environ, "IKDFLASH_FAULTS": "capture@10"},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
+    assert "could not be captured" in lines["raised"]
+    assert lines["then"] == lines["alone"]

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from ikdflash import Server
+from ikdflash import Server, ServerError
 from ikdflash.client import post_json, post_json_concurrently
 from ikdflash.model import Model
 from ikdflash.spectype import SpecType
@@ -48,13 +48,14 @@ def run(url: str, steps: list) -> list[dict]:
     return replies
 
 
-def side_by_side(target, draft, tmp_path, steps, ctx=1024, args=()) -> tuple[list[dict], list[dict], str]:
-    """The conversation on the target alone and with the draft (each on a fresh server):
-    (plain replies, DFlash replies, the DFlash server's log)."""
+def side_by_side(target, draft, tmp_path, steps, ctx=1024, args=(), faults="") -> tuple[list[dict], list[dict], str]:
+    """The conversation on the target alone and with the draft (each on a fresh server; faults
+    injected into the second: IKDFLASH_FAULTS): (plain replies, DFlash replies, its log)."""
     with Server(target, ctx_size=ctx, n_threads=2, log_file=tmp_path / "plain.log", extra_args=list(args)) as url:
         plain = run(url, steps)
     log = tmp_path / "dflash.log"
-    with Server(target, ctx_size=ctx, n_threads=2, log_file=log, extra_args=[*args, *dflash_args(draft)]) as url:
+    with Server(target, ctx_size=ctx, n_threads=2, log_file=log, extra_args=[*args, *dflash_args(draft)],
+                env={"IKDFLASH_FAULTS": faults}) as url:
         spec = run(url, steps)
     return plain, spec, log.read_text()
 
@@ -231,3 +232,36 @@ def test_a_banned_string_rewinds_the_reply(swa_pairs, oracle_pair, tmp_path, dra
     assert not any(phrase in log for phrase in DRAFT_RESETS)
     if draft_kind == "always-right":
         assert spec[0]["timings"]["draft_n_accepted"] > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+def test_a_full_kv_cache_splits_the_verification_batch(swa_pairs, tmp_path, arch):
+    """Two slots verify in one batch of 10 rows (4 drafts + 1 each). When the decode finds no room
+    in the KV cache (injected: IKDFLASH_FAULTS), the server retries in halves of the batch size,
+    16 -> 8, and a half would cut the second slot's rows. Before, the accept step ran after every
+    view for every slot with drafts, sampling rows of a view not yet decoded; now a view never
+    cuts a slot's rows, and a slot is accepted after the view that holds them."""
+    target, draft = swa_pairs[arch]
+    steps = [[completion(STORY, 24, ignore_eos=True), completion(OTHER, 24, ignore_eos=True)]]
+    faults = ",".join(f"decode_kv_full@{k}" for k in (6, 9, 12, 15, 18))
+    plain, spec, log = side_by_side(target, draft, tmp_path, steps, ctx=2048, faults=faults,
+                                    args=["--parallel", "2", "--batch-size", "16", "--ubatch-size", "16"])
+    assert_same_text(plain, spec)
+    assert log.count("retrying with smaller batch size") == 5
+    assert not any(phrase in log for phrase in DRAFT_RESETS)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+def test_a_failed_capture_ends_its_request_and_the_server_goes_on(swa_pairs, tmp_path, arch):
+    """A pass whose layer outputs cannot be captured (injected on the 20th captured output: the
+    10th pass) stopped the graph early, and the server went on from its garbage logits. Now the
+    request fails with the reason, its cells are dropped, and the next request is exact."""
+    target, draft = swa_pairs[arch]
+    request = completion(STORY, 24, ignore_eos=True)
+    with Server(target, ctx_size=1024, n_threads=2, log_file=tmp_path / "plain.log") as url:
+        expected = post_json(url + "/completion", request)["content"]
+    with Server(target, ctx_size=1024, n_threads=2, log_file=tmp_path / "dflash.log",
+                extra_args=dflash_args(draft), env={"IKDFLASH_FAULTS": "capture@20"}) as url:
+        with pytest.raises(ServerError, match="could not be captured"):
+            post_json(url + "/completion", request)
+        assert post_json(url + "/completion", request)["content"] == expected

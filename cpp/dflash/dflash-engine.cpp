@@ -88,7 +88,7 @@ struct dflash_capture {
             return slot >= 0;
         }
         if (slot >= 0) {
-            if (t->type != GGML_TYPE_F32 || t->ne[0] != self->n_embd) {
+            if (t->type != GGML_TYPE_F32 || t->ne[0] != self->n_embd || dflash_fault("capture")) {
                 self->failed = true;
                 return false;  // ends the graph early: the caller checks (dflash_capture_check)
             }

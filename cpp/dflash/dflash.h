@@ -201,3 +201,11 @@ struct dflash_spec_options {
 // Parse the part after "dflash:" into options (fields not named keep their values). Returns 0,
 // or -1 with dflash_last_error() naming the key and the problem.
 LLAMA_API int dflash_parse_spec_options(const char * text, dflash_spec_options * options);
+
+// --- fault injection (tests) ---------------------------------------------------------------------
+
+// True on the calls that the environment variable IKDFLASH_FAULTS="point@k,..." names: the k-th
+// call (from 1) for that point; every other call, and every call without the variable, is false.
+// Points: "capture" (a captured layer output is refused, as one of the wrong type or width is);
+// "decode_kv_full" (llama-server's decode finds no room in the KV cache).
+LLAMA_API bool dflash_fault(const char * point);

@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO, Callable, Sequence
+from typing import IO, Callable, Mapping, Sequence
 
 from ikdflash.fork import server_binary
 
@@ -53,7 +53,7 @@ class Server:
                  port: int = 0, n_threads: int | None = None, extra_args: Sequence[str] = (),
                  log_file: str | os.PathLike[str] | None = None, log_to_stdout: bool = False,
                  startup_timeout: float = 120.0, stop_grace: float = 10.0,
-                 on_wait: Callable[[float], None] | None = None) -> None:
+                 on_wait: Callable[[float], None] | None = None, env: Mapping[str, str] | None = None) -> None:
         self.model = Path(model)
         self.host = host
         self.port = port
@@ -63,6 +63,7 @@ class Server:
         self.log_file = Path(log_file) if log_file else None
         self.log_to_stdout = log_to_stdout  # the server's log goes to our stdout (when no log_file)
         self.on_wait = on_wait              # called with the seconds waited, while starting
+        self.env = dict(env or {})          # set for the server process, over ours
         self.startup_timeout = startup_timeout
         self.stop_grace = stop_grace
         self.process: subprocess.Popen[bytes] | None = None
@@ -100,7 +101,8 @@ class Server:
         workdir = self.log_file.parent if self.log_file else tempfile.gettempdir()
         output = self._log or (None if self.log_to_stdout else subprocess.DEVNULL)
         self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=output,
-                                        stderr=subprocess.STDOUT, start_new_session=True, cwd=workdir)
+                                        stderr=subprocess.STDOUT, start_new_session=True, cwd=workdir,
+                                        env={**os.environ, **self.env})
         try:
             self._wait_ready()
         except BaseException:

@@ -4,7 +4,7 @@
     write_tiny_model("/tmp/t.gguf", arch="qwen35moe")          # defaults
     write_tiny_model("/tmp/t.gguf", arch="llama", n_layer=2)    # overrides
 
-Three architectures, each written exactly as the ik_llama.cpp fork's loader wants it
+Four architectures, each written exactly as the ik_llama.cpp fork's loader wants it
 (src/llama-hparams.cpp for keys, src/llama-load-tensors.cpp for tensors and shapes):
 
 * ``llama``     - standard pre-norm transformer, SwiGLU FFN, "norm" RoPE.
@@ -13,6 +13,9 @@ Three architectures, each written exactly as the ik_llama.cpp fork's loader want
   full, output-gated attention layer every ``full_attention_interval``-th layer, and an
   MoE FFN (softmax router + sigmoid-gated shared expert) in every layer. RoPE is
   "imrope" (interleaved multi-section) and needs ``rope.dimension_sections``.
+* ``mamba``     - Mamba (v1): attention-free, every layer a selective state-space block
+  (in_proj to x|z, causal conv over x, selective scan, gated by silu(z)); no FFN, no RoPE.
+  The base only supports an expansion factor of 2, so ``ssm.inner_size`` is ``2 * n_embd``.
 
 All weights are F32 and drawn from a seeded numpy generator, so a spec always gives the
 same file byte for byte. The scales keep activations O(1) through the stack and make the
@@ -25,6 +28,7 @@ draft converter copies it into drafts with ``add_tokenizer(writer)``.
 GPU note: the fork's CUDA DeltaNet kernel only supports head sizes 64 and 128, hence the
 ``ssm_state_size`` default of 64. Attention ``head_dim`` 16 runs everywhere on the CPU;
 use ``head_dim=64`` if a test wants CUDA flash attention for the attention layers too.
+The fork has no CUDA kernel for Mamba's selective scan: that op stays on the CPU.
 """
 
 from __future__ import annotations
@@ -37,12 +41,12 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-ARCHS = ("llama", "qwen3", "qwen35moe")
+ARCHS = ("llama", "qwen3", "qwen35moe", "mamba")
 
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str                      # "llama" | "qwen3" | "qwen35moe"
+    arch: str                      # "llama" | "qwen3" | "qwen35moe" | "mamba"
     n_layer: int = 4
     n_embd: int = 64
     n_head: int = 4
@@ -60,9 +64,11 @@ class TinySpec:
     n_ff_shexp: int = 32
     # Layer i is full attention iff (i + 1) % interval == 0 (the loader's rule).
     full_attention_interval: int = 4
-    # Gated DeltaNet sizes, named after their GGUF keys: state_size is the per-head key
-    # (and value) dim, group_count the number of key heads, time_step_rank the number of
-    # value heads (a multiple of the key heads). inner_size is derived.
+    # SSM sizes, named after their GGUF keys; inner_size is derived. Gated DeltaNet
+    # (qwen35moe): state_size is the per-head key (and value) dim, group_count the number of
+    # key heads, time_step_rank the number of value heads (a multiple of the key heads).
+    # Mamba: state_size is the state per channel, time_step_rank the rank of the dt
+    # projection; group_count is not used.
     ssm_conv_kernel: int = 4
     ssm_state_size: int = 64
     ssm_group_count: int = 2
@@ -90,12 +96,17 @@ class TinySpec:
 
     @property
     def ssm_inner_size(self) -> int:
+        if self.arch == "mamba":
+            return 2 * self.n_embd  # the only expansion factor build_mamba supports
         # The loader sizes tensors with head_v_dim = state_size, the graph with
         # head_v_dim = inner_size / time_step_rank; this keeps the two in agreement.
         return self.ssm_state_size * self.ssm_time_step_rank
 
     def is_recurrent(self, il: int) -> bool:
-        """True for a DeltaNet layer (qwen35moe), False for a full-attention layer."""
+        """True for a state-space layer (every mamba layer, a qwen35moe DeltaNet layer), False
+        for an attention layer."""
+        if self.arch == "mamba":
+            return True
         return self.arch == "qwen35moe" and (il + 1) % self.full_attention_interval != 0
 
 
@@ -227,6 +238,12 @@ class _Weights:
     def uniform(self, name: str, n: int, low: float, high: float) -> None:
         self.put(name, self.rng.uniform(low, high, n))
 
+    def dt_bias(self, name: str, n: int) -> None:
+        # The graph's time step is softplus(projection + dt_bias); dt_bias = softplus^-1(dt) with
+        # dt log-uniform in [1e-3, 1e-1] is the usual Mamba-style init.
+        dt = np.exp(self.rng.uniform(np.log(1e-3), np.log(1e-1), n))
+        self.put(name, np.log(np.expm1(dt)))
+
 
 def _embeddings(w: _Weights, s: TinySpec, n_vocab: int) -> None:
     w.normal("token_embd.weight", (n_vocab, s.n_embd), 1.0)
@@ -283,10 +300,8 @@ def _qwen35moe_layer(w: _Weights, s: TinySpec, il: int) -> None:
         w.linear(p + "attn_gate.weight", (value_dim, s.n_embd))
         w.normal(p + "ssm_conv1d.weight", (conv_dim, s.ssm_conv_kernel), 1.0 / np.sqrt(s.ssm_conv_kernel))
         # Per value head: decay g = softplus(alpha + dt_bias) * ssm_a, state *= exp(g).
-        # ssm_a = -A with A in [1, 16) and dt_bias = softplus^-1(dt), dt log-uniform in
-        # [1e-3, 1e-1] (the usual Mamba-style init) give decays of roughly 0.2 .. 1.
-        dt = np.exp(w.rng.uniform(np.log(1e-3), np.log(1e-1), n_v_heads))
-        w.put(p + "ssm_dt.bias", np.log(np.expm1(dt)))
+        # ssm_a = -A with A in [1, 16) and the Mamba-style dt_bias give decays of roughly 0.2 .. 1.
+        w.dt_bias(p + "ssm_dt.bias", n_v_heads)
         w.uniform(p + "ssm_a", n_v_heads, -16.0, -1.0)
         w.linear(p + "ssm_beta.weight", (n_v_heads, s.n_embd))
         w.linear(p + "ssm_alpha.weight", (n_v_heads, s.n_embd))
@@ -302,6 +317,27 @@ def _qwen35moe_layer(w: _Weights, s: TinySpec, il: int) -> None:
     w.linear(p + "ffn_gate_shexp.weight", (s.n_ff_shexp, s.n_embd))
     w.linear(p + "ffn_up_shexp.weight", (s.n_ff_shexp, s.n_embd))
     w.linear(p + "ffn_down_shexp.weight", (s.n_embd, s.n_ff_shexp))
+
+
+def _mamba_layer(w: _Weights, s: TinySpec, il: int) -> None:
+    """One mamba block (create_mamba_tensors): ssm_in gives x|z, x goes through the causal
+    conv (+ bias, silu) and the selective scan (dt, B, C from ssm_x, dt through ssm_dt), then
+    y = (scan + D * x) * silu(z) goes back to n_embd through ssm_out."""
+    p, d_inner, d_state, dt_rank = f"blk.{il}.", s.ssm_inner_size, s.ssm_state_size, s.ssm_time_step_rank
+    w.norm(p + "attn_norm.weight", s.n_embd)
+    w.linear(p + "ssm_in.weight", (2 * d_inner, s.n_embd))
+    w.normal(p + "ssm_conv1d.weight", (d_inner, s.ssm_conv_kernel), 1.0 / np.sqrt(s.ssm_conv_kernel))
+    w.normal(p + "ssm_conv1d.bias", (d_inner,), 0.1)
+    w.linear(p + "ssm_x.weight", (dt_rank + 2 * d_state, d_inner))
+    w.linear(p + "ssm_dt.weight", (d_inner, dt_rank))
+    w.dt_bias(p + "ssm_dt.bias", d_inner)
+    # Stored as A = -exp(A_log), as convert_hf_to_gguf writes it; S4D-real init: -1 .. -d_state.
+    w.put(p + "ssm_a", -np.tile(np.arange(1, d_state + 1), (d_inner, 1)))
+    w.normal(p + "ssm_d", (d_inner,), 0.05, mean=1.0)
+    w.linear(p + "ssm_out.weight", (s.n_embd, d_inner))
+
+
+_LAYERS = {"qwen35moe": _qwen35moe_layer, "mamba": _mamba_layer}  # the rest: _dense_layer
 
 
 def _imrope_sections(n_rot: int) -> list[int]:
@@ -325,36 +361,53 @@ def _add_hparams(writer: gguf.GGUFWriter, s: TinySpec) -> None:
     writer.add_block_count(s.n_layer)
     writer.add_context_length(s.n_ctx_train)
     writer.add_embedding_length(s.n_embd)
-    writer.add_head_count(s.n_head)
-    writer.add_head_count_kv(s.n_head_kv)
-    # Explicit, because the loader's default head size is n_embd / n_head.
-    writer.add_key_length(s.head_dim)
-    writer.add_value_length(s.head_dim)
-    writer.add_rope_dimension_count(s.n_rot)
-    writer.add_rope_freq_base(s.rope_theta)
+    if s.arch == "mamba":
+        # No attention, no FFN, no RoPE. convert_hf_to_gguf writes head_count 0, but this base
+        # sizes every layer's K cache as key_length x head_count_kv per cell, where Mamba keeps
+        # its conv state ((conv_kernel - 1) x inner_size, the shape build_mamba reshapes it to):
+        # with no heads it is empty, and context creation aborts on
+        # GGML_ASSERT(ggml_nelements(a) == ne0*ne1) in build_mamba. One "head" as wide as the
+        # conv state, and value_length 0 (the V cache then holds just the scan state), give both
+        # caches the sizes the graph expects. No attention is built from them.
+        writer.add_head_count(1)
+        writer.add_head_count_kv(1)
+        writer.add_key_length((s.ssm_conv_kernel - 1) * s.ssm_inner_size)
+        writer.add_value_length(0)
+        writer.add_feed_forward_length(0)
+    else:
+        writer.add_head_count(s.n_head)
+        writer.add_head_count_kv(s.n_head_kv)
+        # Explicit, because the loader's default head size is n_embd / n_head.
+        writer.add_key_length(s.head_dim)
+        writer.add_value_length(s.head_dim)
+        writer.add_rope_dimension_count(s.n_rot)
+        writer.add_rope_freq_base(s.rope_theta)
     writer.add_layer_norm_rms_eps(s.rms_eps)
     writer.add_vocab_size(TOKENIZER.n_vocab)
-    if s.arch != "qwen35moe":
+    if s.arch in ("llama", "qwen3"):
         writer.add_feed_forward_length(s.n_ff)
         return
-    writer.add_expert_count(s.n_expert)
-    writer.add_expert_used_count(s.n_expert_used)
-    writer.add_expert_feed_forward_length(s.n_ff_exp)
-    writer.add_expert_shared_feed_forward_length(s.n_ff_shexp)
-    writer.add_full_attention_interval(s.full_attention_interval)
-    writer.add_rope_dimension_sections(_imrope_sections(s.n_rot))
+    if s.arch == "qwen35moe":
+        writer.add_expert_count(s.n_expert)
+        writer.add_expert_used_count(s.n_expert_used)
+        writer.add_expert_feed_forward_length(s.n_ff_exp)
+        writer.add_expert_shared_feed_forward_length(s.n_ff_shexp)
+        writer.add_full_attention_interval(s.full_attention_interval)
+        writer.add_rope_dimension_sections(_imrope_sections(s.n_rot))
     writer.add_ssm_conv_kernel(s.ssm_conv_kernel)
     writer.add_ssm_inner_size(s.ssm_inner_size)
     writer.add_ssm_state_size(s.ssm_state_size)
     writer.add_ssm_time_step_rank(s.ssm_time_step_rank)
-    writer.add_ssm_group_count(s.ssm_group_count)
+    if s.arch == "qwen35moe":
+        # Not for mamba: with a group count the loader sizes the state as DeltaNet's.
+        writer.add_ssm_group_count(s.ssm_group_count)
 
 
 def build_tensors(spec: TinySpec) -> dict[str, np.ndarray]:
     """All of the model's tensors by GGUF name (numpy shapes), in file order."""
     w = _Weights(spec.seed)
     _embeddings(w, spec, TOKENIZER.n_vocab)
-    layer = _qwen35moe_layer if spec.arch == "qwen35moe" else _dense_layer
+    layer = _LAYERS.get(spec.arch, _dense_layer)
     for il in range(spec.n_layer):
         layer(w, spec, il)
     return w.tensors
