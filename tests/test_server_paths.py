@@ -65,6 +65,14 @@ def assert_same_text(plain: list[dict], spec: list[dict]) -> None:
     assert all(r["timings"]["draft_n"] > 0 for r in spec)
 
 
+def assert_same_top_probabilities(plain: list[dict], spec: list[dict]) -> None:
+    """A state that ran over other tokens can keep the argmax of a tiny random model: compare the
+    top probability of every token too (within the rounding of batches of other sizes)."""
+    for got, want in zip(spec, plain, strict=True):
+        for g, w in zip(got["completion_probabilities"], want["completion_probabilities"], strict=True):
+            assert g["probs"][0]["prob"] == pytest.approx(w["probs"][0]["prob"], rel=1e-2)
+
+
 def stop_string(target, tmp_path, prompt: str) -> tuple[str, str]:
     """A stop string the target alone reaches mid-reply: (text before it, the string)."""
     with Server(target, ctx_size=1024, n_threads=2, log_file=tmp_path / "probe.log") as url:
@@ -91,13 +99,42 @@ def test_chat_continued_then_edited(swa_pairs, tmp_path, arch, parallel):
                                     args=["--parallel", str(parallel)])
     assert plain[0]["stopped_word"] and spec[0]["stopped_word"]
     assert_same_text(plain, spec)
-    # a state that ran over other tokens can keep the argmax of a tiny random model: compare the
-    # probabilities too (within the rounding of batches of other sizes)
-    for got, want in zip(spec[1:], plain[1:], strict=True):
-        for g, w in zip(got["completion_probabilities"], want["completion_probabilities"], strict=True):
-            assert g["probs"][0]["prob"] == pytest.approx(w["probs"][0]["prob"], rel=1e-2)
+    assert_same_top_probabilities(plain[1:], spec[1:])
     if arch == "qwen35moe":
         assert "restored context checkpoint" in log
+    assert not any(phrase in log for phrase in DRAFT_RESETS)
+
+
+def token_turn(target, tmp_path, prompt: str) -> tuple[list[int], str, list[int]]:
+    """The prompt's token ids, a stop string the target alone reaches mid-reply, and the ids it
+    generates up to and including the stop string's token."""
+    _, stop = stop_string(target, tmp_path, prompt)
+    with Server(target, ctx_size=1024, n_threads=2, log_file=tmp_path / "ids.log") as url:
+        ids = post_json(url + "/tokenize", {"content": prompt})["tokens"]
+        reply = post_json(url + "/v1/completions", {"prompt": ids, "max_tokens": 24, "temperature": 0,
+                                                     "stop": [stop], "ignore_eos": True, "logprobs": 1})
+    return ids, stop, [t["id"] for t in reply["choices"][0]["logprobs"]["content"]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+def test_chat_continued_token_for_token_then_edited(swa_pairs, tmp_path, arch):
+    """As above, in token ids, so that request 2 extends every cached token of request 1 (no
+    restore) and request 3, which edits request 2's turn, restores the checkpoint taken when
+    request 1 ended. Before, that checkpoint was taken before the replay of the kept tokens, so
+    it held the recurrent state after the rejected drafts, and request 3 went on from it."""
+    target, draft = swa_pairs[arch]
+    ids, stop, generated = token_turn(target, tmp_path, STORY * 2)
+    turn = ids + generated
+    steps = [completion(ids, 24, stop=[stop], ignore_eos=True),
+             completion(turn + [300, 301, 302, 303], 16, ignore_eos=True, n_probs=1),
+             completion(turn + [310, 311, 312, 313], 16, ignore_eos=True, n_probs=1)]
+    plain, spec, log = side_by_side(target, draft, tmp_path, steps)
+    assert plain[0]["stopped_word"] and spec[0]["stopped_word"]
+    assert_same_text(plain, spec)
+    assert_same_top_probabilities(plain[1:], spec[1:])
+    if arch == "qwen35moe":
+        # the last cached token of request 1 (its final sampled token is not cached)
+        assert "restored context checkpoint took" in log and f"pos_max = {len(turn) - 2}, size" in log
     assert not any(phrase in log for phrase in DRAFT_RESETS)
 
 
