@@ -302,3 +302,12 @@ def test_a_failed_capture_ends_its_request_and_the_server_goes_on(swa_pairs, tmp
         with pytest.raises(ServerError, match="could not be captured"):
             post_json(url + "/completion", request)
         assert post_json(url + "/completion", request)["content"] == expected
+
+
+def test_the_reuse_line_is_logged_once_per_request(swa_pairs, tmp_path):
+    """A prompt of ~130 tokens in batches of 32: the line saying which context rows the draft
+    keeps was logged for every batch; it is logged once per request."""
+    target, draft = swa_pairs["llama"]
+    steps = [completion(STORY * 2, 4), completion(STORY * 2 + OTHER, 4)]
+    _, _, log = side_by_side(target, draft, tmp_path, steps, args=["--batch-size", "32", "--ubatch-size", "32"])
+    assert log.count("dflash: the draft keeps its context rows") == 2
