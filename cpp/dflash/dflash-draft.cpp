@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+using dflash_impl::check_gguf_layout;
 using dflash_impl::dflash_error;
 using dflash_impl::fail;
 using dflash_impl::guarded;
@@ -29,6 +30,13 @@ using dflash_impl::guarded;
 namespace {
 
 constexpr int k_max_graph_nodes = 8192;
+// Bounds on what a draft file may claim, far above any real draft (DFlash drafts have a handful
+// of layers and blocks of 16): a step's graph holds k_max_graph_nodes, and sizes multiply.
+constexpr int64_t k_max_layers = 64;
+constexpr int64_t k_max_block = 256;
+constexpr int64_t k_max_width = 1 << 16;   // embedding, ffn, heads x head size
+constexpr int64_t k_max_heads = 1024;
+constexpr int64_t k_max_target_layers = 256;
 constexpr int k_append_chunk = 256;  // context rows projected per graph
 // Keys per attention are padded to a multiple of this (zero rows, hidden by the mask), as the
 // fork's own KV cache is: the CPU matrix kernels overrun odd-sized KQ products otherwise.
@@ -60,6 +68,31 @@ struct gguf_meta {
         }
     }
 
+    bool flag(int id, const std::string & key) const {
+        if (gguf_get_kv_type(ctx, id) != GGUF_TYPE_BOOL) {
+            fail("key '%s' is not a bool", key.c_str());
+        }
+        return gguf_get_val_bool(ctx, id);
+    }
+
+    // The strings of an array key (its length checked by the caller).
+    int string_array(const std::string & key) const {
+        const int id = find(key);
+        if (id >= 0 && (gguf_get_kv_type(ctx, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(ctx, id) != GGUF_TYPE_STRING)) {
+            fail("key '%s' is not an array of strings", key.c_str());
+        }
+        return id;
+    }
+
+    // An integer key that must lie in [lo, hi]; a missing optional key gives fallback.
+    int bounded(const std::string & key, int64_t fallback, int64_t lo, int64_t hi, bool required = false) const {
+        const int64_t v = integer(key, fallback, required);
+        if (has(key) && (v < lo || v > hi)) {
+            fail("key '%s' is %lld, outside %lld..%lld", key.c_str(), (long long) v, (long long) lo, (long long) hi);
+        }
+        return (int) v;
+    }
+
     float real(const std::string & key, float fallback) const {
         const int id = find(key);
         if (id < 0) {
@@ -83,14 +116,20 @@ struct gguf_meta {
                                                                                    : integer(key, 0));
             return out;
         }
-        const int len = gguf_get_arr_n(ctx, id);
+        const size_t len = gguf_get_arr_n(ctx, id);
+        if (len > (size_t) k_max_target_layers + k_max_layers) {
+            fail("key '%s' has %zu entries: corrupt", key.c_str(), len);
+        }
+        const int type = gguf_get_arr_type(ctx, id);
+        if (type != GGUF_TYPE_BOOL && type != GGUF_TYPE_INT32 && type != GGUF_TYPE_UINT32) {
+            fail("key '%s' must be an array of integers or bools", key.c_str());
+        }
         const void * data = gguf_get_arr_data(ctx, id);
-        for (int i = 0; i < len; ++i) {
-            switch (gguf_get_arr_type(ctx, id)) {
-                case GGUF_TYPE_BOOL:   out.push_back(((const int8_t *) data)[i] != 0); break;
-                case GGUF_TYPE_INT32:  out.push_back(((const int32_t *) data)[i]); break;
-                case GGUF_TYPE_UINT32: out.push_back(((const uint32_t *) data)[i]); break;
-                default: fail("key '%s' must be an array of integers or bools", key.c_str());
+        for (size_t i = 0; i < len; ++i) {
+            switch (type) {
+                case GGUF_TYPE_BOOL:  out.push_back(((const int8_t *) data)[i] != 0); break;
+                case GGUF_TYPE_INT32: out.push_back(((const int32_t *) data)[i]); break;
+                default:              out.push_back(((const uint32_t *) data)[i]); break;
             }
         }
         return out;
@@ -264,18 +303,21 @@ namespace {
 
 void read_hparams(dflash_draft & d, const gguf_meta & m) {
     const std::string & p = m.prefix;
-    d.n_layer = (int) m.integer(p + "block_count", 0, true);
-    d.n_embd = (int) m.integer(p + "embedding_length", 0, true);
-    d.n_ff = (int) m.integer(p + "feed_forward_length", 0, true);
-    d.n_head = (int) m.integer(p + "attention.head_count", 0, true);
-    d.n_head_kv = (int) m.integer(p + "attention.head_count_kv", d.n_head);
-    d.head_dim = (int) m.integer(p + "attention.key_length", d.n_head > 0 ? d.n_embd / d.n_head : 0);
-    d.n_ctx_train = (int) m.integer(p + "context_length", 0);
+    d.n_layer = m.bounded(p + "block_count", 0, 1, k_max_layers, true);
+    d.n_embd = m.bounded(p + "embedding_length", 0, 1, k_max_width, true);
+    d.n_ff = m.bounded(p + "feed_forward_length", 0, 1, k_max_width, true);
+    d.n_head = m.bounded(p + "attention.head_count", 0, 1, k_max_heads, true);
+    d.n_head_kv = m.bounded(p + "attention.head_count_kv", d.n_head, 1, k_max_heads);
+    d.head_dim = m.bounded(p + "attention.key_length", d.n_embd / d.n_head, 1, k_max_width);
+    d.n_ctx_train = m.bounded(p + "context_length", 0, 0, INT32_MAX);
     d.rms_eps = m.real(p + "attention.layer_norm_rms_epsilon", -1.0f);
     d.rope_base = m.real(p + "rope.freq_base", 10000.0f);
     if (d.n_layer < 1 || d.n_embd < 1 || d.n_head < 1 || d.n_head_kv < 1 || d.head_dim < 1 || d.n_ff < 1) {
         fail("invalid sizes: %d layers, embedding %d, %d/%d heads of %d, ffn %d", d.n_layer, d.n_embd, d.n_head,
              d.n_head_kv, d.head_dim, d.n_ff);
+    }
+    if ((int64_t) d.n_head * d.head_dim > k_max_width) {
+        fail("%d heads of %d exceed %lld", d.n_head, d.head_dim, (long long) k_max_width);
     }
     if (d.n_head % d.n_head_kv != 0) {
         fail("%d query heads are not a multiple of %d kv heads", d.n_head, d.n_head_kv);
@@ -291,17 +333,14 @@ void read_hparams(dflash_draft & d, const gguf_meta & m) {
         fail("partial rotary embedding (rope.dimension_count %d of head %d) is not supported", (int) n_rot, d.head_dim);
     }
 
-    d.block_size = (int) m.integer(p + "block_size", 16);
+    d.block_size = m.bounded(p + "block_size", 16, 2, k_max_block);
     if (m.has(p + "dflash.block_size")) {
-        d.block_size = (int) m.integer(p + "dflash.block_size", 16);
-    }
-    if (d.block_size < 2) {
-        fail("block_size must be at least 2, got %d", d.block_size);
+        d.block_size = m.bounded(p + "dflash.block_size", 16, 2, k_max_block);
     }
 
     std::vector<int64_t> ids;
     if (d.format == &k_formats[0]) {
-        d.mask_token = (int) m.integer(p + "dflash.mask_token_id", -1, true);
+        d.mask_token = m.bounded(p + "dflash.mask_token_id", -1, 0, INT32_MAX, true);
         ids = m.integers(p + "dflash.target_layer_ids");
         if (ids.empty()) {
             fail("missing required key '%sdflash.target_layer_ids'", p.c_str());
@@ -310,7 +349,7 @@ void read_hparams(dflash_draft & d, const gguf_meta & m) {
         // upstream llama.cpp: the mask id moved to the tokenizer section, and files that have it
         // there number target layers from 1 (the input of layer id+1); older files use 0-based ids
         const bool newer = m.has("tokenizer.ggml.mask_token_id");
-        d.mask_token = (int) m.integer(newer ? "tokenizer.ggml.mask_token_id" : p + "mask_token_id", -1, true);
+        d.mask_token = m.bounded(newer ? "tokenizer.ggml.mask_token_id" : p + "mask_token_id", -1, 0, INT32_MAX, true);
         ids = m.integers(p + "target_layers");
         if (ids.empty()) {
             fail("missing required key '%starget_layers'", p.c_str());
@@ -319,9 +358,12 @@ void read_hparams(dflash_draft & d, const gguf_meta & m) {
             id -= newer ? 1 : 0;
         }
     }
+    if ((int64_t) ids.size() > k_max_target_layers) {
+        fail("%zu target layer ids: corrupt", ids.size());
+    }
     for (int64_t id : ids) {
-        if (id < 0) {
-            fail("negative target layer id %d", (int) id);
+        if (id < 0 || id >= k_max_target_layers) {
+            fail("target layer id %lld is outside 0..%lld", (long long) id, (long long) k_max_target_layers - 1);
         }
         if (std::count(ids.begin(), ids.end(), id) > 1) {
             fail("target layer id %d is listed twice", (int) id);
@@ -329,7 +371,7 @@ void read_hparams(dflash_draft & d, const gguf_meta & m) {
         d.target_ids.push_back((int) id);
     }
 
-    d.window = (int) m.integer(p + "attention.sliding_window", 0);
+    d.window = m.bounded(p + "attention.sliding_window", 0, 0, INT32_MAX);
     std::vector<int64_t> pattern = m.integers(p + "attention.sliding_window_pattern", d.n_layer);
     if (d.window > 0 && pattern.empty()) {
         pattern.assign(d.n_layer, 1);  // a window without a pattern applies to every layer
@@ -345,11 +387,23 @@ void read_hparams(dflash_draft & d, const gguf_meta & m) {
     const std::string causal_key = p + "dflash.is_causal";
     const int causal_id = m.find(causal_key);
     for (int il = 0; il < d.n_layer; ++il) {
-        d.causal.push_back(causal_id >= 0 ? gguf_get_val_bool(m.ctx, causal_id) : (bool) d.sliding[il]);
+        d.causal.push_back(causal_id >= 0 ? m.flag(causal_id, causal_key) : (bool) d.sliding[il]);
     }
     d.embedding_scale = m.real(p + "dflash.input_embedding_scale", 1.0f);
     d.output_multiplier = m.real(p + "dflash.output_multiplier", 1.0f);
     d.logit_softcap = m.real(p + "dflash.final_logit_softcapping", m.real(p + "final_logit_softcapping", 0.0f));
+}
+
+// The weight types the draft's graph computes with: F32 norms; matrices in these types.
+bool is_matrix_type(ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_F32: case GGML_TYPE_F16: case GGML_TYPE_BF16: case GGML_TYPE_Q8_0: case GGML_TYPE_Q4_0:
+        case GGML_TYPE_Q4_1: case GGML_TYPE_Q5_0: case GGML_TYPE_Q5_1: case GGML_TYPE_Q2_K: case GGML_TYPE_Q3_K:
+        case GGML_TYPE_Q4_K: case GGML_TYPE_Q5_K: case GGML_TYPE_Q6_K:
+            return true;
+        default:
+            return false;
+    }
 }
 
 ggml_tensor * expect_tensor(ggml_context * ctx, const std::string & name, std::initializer_list<int64_t> shape,
@@ -368,6 +422,14 @@ ggml_tensor * expect_tensor(ggml_context * ctx, const std::string & name, std::i
                  (long long) t->ne[0], (long long) t->ne[1], i, (long long) n);
         }
         ++i;
+    }
+    if (ggml_n_dims(t) > (int) shape.size()) {
+        fail("tensor '%s' has %d dimensions, expected %zu", name.c_str(), ggml_n_dims(t), shape.size());
+    }
+    const bool vector = shape.size() == 1;
+    if (vector ? t->type != GGML_TYPE_F32 : !is_matrix_type(t->type)) {
+        fail("tensor '%s' has type %s, %s", name.c_str(), ggml_type_name(t->type),
+             vector ? "expected f32" : "not one the draft computes with (f32, f16, bf16, q8_0, q4/q5, k-quants)");
     }
     claimed[name] = true;
     return t;
@@ -427,13 +489,13 @@ void check_against_target(dflash_draft & d, const gguf_meta & m, const llama_mod
              "rolled back to the accepted tokens, so drafts cannot be verified on it");
     }
     const int n_vocab = llama_n_vocab(target);
-    const int tokens_id = m.find("tokenizer.ggml.tokens");
+    const int tokens_id = m.string_array("tokenizer.ggml.tokens");
     if (tokens_id < 0) {
         fail("the draft has no tokenizer (tokenizer.ggml.tokens); convert it with the target's tokenizer");
     }
-    const int n_draft_vocab = gguf_get_arr_n(m.ctx, tokens_id);
-    if (n_draft_vocab != n_vocab) {
-        fail("vocabulary size %d differs from the target's %d: this draft was made for another target",
+    const size_t n_draft_vocab = gguf_get_arr_n(m.ctx, tokens_id);
+    if (n_draft_vocab != (size_t) n_vocab) {
+        fail("vocabulary size %zu differs from the target's %d: this draft was made for another target",
              n_draft_vocab, n_vocab);
     }
     for (int i = 0; i < n_vocab; ++i) {
@@ -524,20 +586,19 @@ void load_weights(dflash_draft & d, gguf_context * gctx) {
     if (d.buf_w == nullptr) {
         fail("could not allocate memory for the draft's weights");
     }
-    std::ifstream file(d.path, std::ios::binary | std::ios::ate);
-    const size_t file_size = (size_t) file.tellg();
+    std::ifstream file(d.path, std::ios::binary);
     const size_t data_offset = gguf_get_data_offset(gctx);
     std::vector<char> buf;
     for (int i = 0; i < gguf_get_n_tensors(gctx); ++i) {
         ggml_tensor * t = ggml_get_tensor(d.ctx_w, gguf_get_tensor_name(gctx, i));
+        // offsets and sizes were checked against the file by check_gguf_layout
         const size_t offset = data_offset + gguf_get_tensor_offset(gctx, i);
         const size_t size = ggml_nbytes(t);
-        if (offset + size > file_size) {
-            fail("file is truncated: tensor '%s' ends at byte %zu of %zu", ggml_get_name(t), offset + size, file_size);
-        }
         buf.resize(size);
         file.seekg((std::streamoff) offset);
-        file.read(buf.data(), (std::streamsize) size);
+        if (!file.read(buf.data(), (std::streamsize) size)) {
+            fail("cannot read tensor '%s' (%zu bytes at %zu)", ggml_get_name(t), size, offset);
+        }
         ggml_backend_tensor_set(t, buf.data(), 0, size);
     }
 }
@@ -551,6 +612,7 @@ std::unique_ptr<dflash_draft> load(const char * path, const llama_model * target
     }
     auto d = std::make_unique<dflash_draft>();
     d->path = path;
+    check_gguf_layout(path);
     gguf_init_params gguf_params = {/*no_alloc=*/true, &d->ctx_w};
     gguf_context * gctx = gguf_init_from_file(path, gguf_params);
     if (gctx == nullptr) {
@@ -558,6 +620,9 @@ std::unique_ptr<dflash_draft> load(const char * path, const llama_model * target
     }
     std::unique_ptr<gguf_context, decltype(&gguf_free)> gguard(gctx, gguf_free);
     const int arch_id = gguf_find_key(gctx, "general.architecture");
+    if (arch_id >= 0 && gguf_get_kv_type(gctx, arch_id) != GGUF_TYPE_STRING) {
+        fail("key 'general.architecture' is not a string");
+    }
     const std::string arch = arch_id >= 0 ? gguf_get_val_str(gctx, arch_id) : "";
     for (const auto & f : k_formats) {
         if (arch == f.arch) {

@@ -35,4 +35,8 @@ R guarded(F && body, R on_error) {
     }
 }
 
+// Refuse a GGUF whose header ggml's parser would abort on or that claims more than the file holds
+// (dflash-gguf-check.cpp): throws dflash_error saying what is wrong and where.
+void check_gguf_layout(const char * path);
+
 }  // namespace dflash_impl

@@ -36,6 +36,11 @@ struct dflash_draft_params {
 
 LLAMA_API dflash_draft_params dflash_draft_default_params(void);
 
+// Check a GGUF file's header against the file before ggml parses it: counts, lengths, value types,
+// tensor ranks, dimensions, types and extents. 0, or -1 with dflash_last_error() saying what is
+// wrong. dflash_draft_load runs it; callers loading other GGUF files from untrusted sources can too.
+LLAMA_API int dflash_gguf_check(const char * path);
+
 // Load a draft GGUF (ik_llama.cpp's "dflash-draft" or upstream llama.cpp's "dflash") and check
 // it against the target: vocabulary, mask token, target layer ids, feature width, embedding width.
 LLAMA_API dflash_draft * dflash_draft_load(const char * path, const llama_model * target, dflash_draft_params params);

@@ -1,0 +1,277 @@
+"""Seeded fuzzer for DFlash draft GGUF loading: hostile files must give a specific error, never a
+crash or a hang.
+
+Each case mutates a valid draft GGUF in one way (a KV's type tag or value, an array's length, a
+tensor's rank, dims, type or offset, a truncation, flipped bits) and loads it against its target
+in a worker process through `_core.Draft`, then runs one draft step; with --server, also through
+`llama-server --model-draft`. A case passes when the file loads and steps, or is refused with a
+message; it fails on a signal, an exit without a verdict, or a timeout.
+
+    python tests/fuzz_draft.py --cases 1000 --seed 0 [--server-every 10] [--report out.json]
+
+tests/test_fuzz.py runs a small slice of it in the default test run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+# the verdict lines a worker prints for each file
+LOADED, REFUSED = "LOADED", "REFUSED"
+
+WORKER = r"""
+import sys
+import numpy as np
+from ikdflash import _core
+model = _core.Model(sys.argv[1], n_ctx=256, n_threads=1)
+for line in sys.stdin:
+    path = line.strip()
+    try:
+        draft = _core.Draft(model, path, n_threads=1)
+        info = draft.info()
+        features = np.ones((3, info["n_target_features"]), dtype=np.float32)
+        draft.forward(features, np.arange(3, dtype=np.int32), 1, 3, cross_ctx=64)
+        draft.close()
+        print("LOADED", flush=True)
+    except (ValueError, RuntimeError) as e:
+        print("REFUSED", str(e).replace("\n", " ")[:300], flush=True)
+"""
+
+
+@dataclass
+class Case:
+    index: int
+    mutation: str
+    via: str            # "core" | "server"
+    outcome: str        # "loaded" | "refused" | "crash" | "hang"
+    detail: str
+
+
+class Mutator:
+    """One valid draft's bytes and the layout of its header (where each KV and tensor info sits)."""
+
+    def __init__(self, draft: Path) -> None:
+        self.data = draft.read_bytes()
+        reader = gguf.GGUFReader(draft)
+        base = reader.data.ctypes.data
+
+        def where(part: np.ndarray) -> tuple[int, int]:
+            return part.ctypes.data - base, part.nbytes
+
+        # per KV: (type tag, value parts); an array's parts are item type, count, items
+        self.kvs = [(where(f.parts[2]), [where(p) for p in f.parts[3:]], f.types)
+                    for k, f in reader.fields.items() if not k.startswith("GGUF.")]
+        # per tensor info: name length, name, n_dims, dims..., type, offset
+        self.tensors = [[where(p) for p in t.field.parts] for t in reader.tensors]
+        self.header_end = min(int(t.data_offset) for t in reader.tensors)
+
+    def mutate(self, rng: random.Random) -> tuple[str, bytes]:
+        kind = rng.choice(["kv_type", "kv_value", "array_length", "tensor_rank", "tensor_dim", "tensor_type",
+                           "tensor_offset", "truncate", "bit_flips"])
+        data = bytearray(self.data)
+        if kind == "kv_type":
+            (off, _), _, _ = rng.choice(self.kvs)
+            value = rng.randrange(0, 14)
+            data[off:off + 4] = value.to_bytes(4, "little")
+            return f"{kind}={value}@{off}", bytes(data)
+        if kind in ("kv_value", "array_length"):
+            candidates = [kv for kv in self.kvs if (kv[2][0] == gguf.GGUFValueType.ARRAY) == (kind == "array_length")]
+            _, parts, types = rng.choice(candidates)
+            off, size = parts[1] if kind == "array_length" else parts[-1]
+            value = rng.choice([0, 1, 2, 3, 7, 255, 4096, 2**31 - 1, 2**31, 2**32 - 1, 2**63 - 1, 2**64 - 1,
+                                rng.randrange(2**(8 * min(size, 8)))])
+            width = min(size, 8)
+            data[off:off + width] = (value % 2**(8 * width)).to_bytes(width, "little")
+            return f"{kind}={value}@{off}", bytes(data)
+        if kind.startswith("tensor_"):
+            parts = rng.choice(self.tensors)
+            n_dims_at = parts[2][0]
+            if kind == "tensor_rank":
+                value = rng.choice([0, 1, 2, 3, 4, 5, 2**31])
+                data[n_dims_at:n_dims_at + 4] = value.to_bytes(4, "little")
+            elif kind == "tensor_dim":
+                off, size = parts[3]
+                at = off + 8 * rng.randrange(size // 8)
+                value = rng.choice([0, 1, 2, 3, 17, 4096, 2**31, 2**40, 2**63 - 1, 2**64 - 1])
+                data[at:at + 8] = value.to_bytes(8, "little")
+            elif kind == "tensor_type":
+                off, _ = parts[4]
+                value = rng.choice([1, 2, 3, 6, 8, 10, 12, 14, 15, 16, 20, 30, 39, 40, 41, 100, 2**31])
+                data[off:off + 4] = value.to_bytes(4, "little")
+            else:
+                off, _ = parts[5]
+                value = rng.choice([1, 31, 32, len(self.data), 2**40, 2**64 - 32, rng.randrange(len(self.data))])
+                data[off:off + 8] = value.to_bytes(8, "little")
+            return f"{kind}={value}", bytes(data)
+        if kind == "truncate":
+            cut = rng.randrange(len(self.data))
+            return f"{kind}={cut}", bytes(data[:cut])
+        flips = []
+        for _ in range(rng.randint(1, 8)):
+            # mostly in the header, where a flipped bit changes meaning rather than a weight
+            at = rng.randrange(self.header_end if rng.random() < 0.8 else len(data))
+            bit = rng.randrange(8)
+            data[at] ^= 1 << bit
+            flips.append(f"{at}.{bit}")
+        return f"{kind}={','.join(flips)}", bytes(data)
+
+
+class CoreWorker:
+    """A process loading drafts through `_core`, one per line of stdin; restarted after a crash."""
+
+    def __init__(self, target: Path, timeout: float) -> None:
+        self.target, self.timeout, self.process = target, timeout, None
+
+    def load(self, path: Path) -> tuple[str, str]:
+        if self.process is None or self.process.poll() is not None:
+            # no PATH: ggml's abort handler would spend seconds attaching gdb for a backtrace
+            self.process = subprocess.Popen([sys.executable, "-c", WORKER, str(self.target)], text=True,
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            env={**os.environ, "PATH": ""})
+        self.process.stdin.write(f"{path}\n")
+        self.process.stdin.flush()
+        line = _readline(self.process, self.timeout)
+        if line is None:
+            self.process.kill()
+            self.process.wait()
+            return "hang", f"no verdict in {self.timeout:.0f} s"
+        if line.startswith(LOADED):
+            return "loaded", ""
+        if line.startswith(REFUSED):
+            return "refused", line[len(REFUSED):].strip()
+        code = self.process.wait()
+        return "crash", f"exit {code}: {last_complaint(self.process.stderr.read())}"
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait()
+
+
+def last_complaint(log: str) -> str:
+    """The last line of a log that says what went wrong (an assert, an error, an exception)."""
+    lines = [line for line in log.splitlines()
+             if any(word in line for word in ("ASSERT", "error", "Error", "terminate", "what()", "Segmentation"))]
+    return (lines[-1] if lines else log[-300:]).strip()[:300]
+
+
+def _readline(process: subprocess.Popen, timeout: float) -> str | None:
+    """A line of the worker's stdout, "" when it exited, None on timeout."""
+    import selectors
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        if not selector.select(timeout):
+            return None
+    return process.stdout.readline()
+
+
+def load_in_server(target: Path, draft: Path, log: Path, timeout: float) -> tuple[str, str]:
+    from ikdflash import Server, ServerError
+    from ikdflash.client import post_json
+    server = Server(target, ctx_size=256, n_threads=1, log_file=log, startup_timeout=timeout,
+                    extra_args=["--model-draft", str(draft), "--spec-type", "dflash:n_max=4"])
+    try:
+        with server as url:
+            post_json(url + "/completion", {"prompt": "hello", "n_predict": 4, "temperature": 0}, timeout=timeout)
+        return "loaded", ""
+    except ServerError as e:
+        text = str(e)
+        if "exited with code 1 " in text:
+            errors = [line for line in log.read_text(errors="replace").splitlines() if "error" in line.lower()]
+            return "refused", (errors[-1] if errors else text)[-300:]
+        if "did not become ready" in text or "timed out" in text:
+            return "hang", text[-300:]
+        return "crash", text[-300:]
+
+
+def run(target: Path, draft: Path, cases: int, seed: int, server_every: int = 0, timeout: float = 20.0,
+        progress=lambda case: None) -> list[Case]:
+    mutator = Mutator(draft)
+    rng = random.Random(seed)
+    worker = CoreWorker(target, timeout)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="ikdflash-fuzz-") as folder:
+        try:
+            for index in range(cases):
+                mutation, data = mutator.mutate(rng)
+                path = Path(folder) / f"case-{index}.gguf"
+                path.write_bytes(data)
+                outcome, detail = worker.load(path)
+                results.append(Case(index, mutation, "core", outcome, detail))
+                progress(results[-1])
+                if server_every and index % server_every == 0:
+                    outcome, detail = load_in_server(target, path, Path(folder) / "server.log", timeout)
+                    results.append(Case(index, mutation, "server", outcome, detail))
+                    progress(results[-1])
+                path.unlink()
+        finally:
+            worker.close()
+    return results
+
+
+def summary(results: list[Case]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for case in results:
+        key = f"{case.via}:{case.outcome}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--server-every", type=int, default=10, help="also load every N-th case in llama-server")
+    parser.add_argument("--timeout", type=float, default=20.0, help="seconds before a load counts as a hang")
+    parser.add_argument("--report", type=Path, help="write every case as JSON here")
+    parser.add_argument("--target", type=Path, help="target GGUF (default: a tiny llama made here)")
+    parser.add_argument("--draft", type=Path, help="draft GGUF to mutate (default: a tiny draft for the target)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="ikdflash-fuzz-pair-") as folder:
+        target, draft = args.target, args.draft
+        if target is None or draft is None:
+            target, draft = tiny_pair(Path(folder))
+        start = time.monotonic()
+
+        def progress(case: Case) -> None:
+            if case.index % 100 == 0 and case.via == "core":
+                print(f"{case.index}/{args.cases} cases, {time.monotonic() - start:.0f} s", flush=True)
+            if case.outcome in ("crash", "hang"):
+                print(f"case {case.index} ({case.via}) {case.outcome}: {case.mutation}: {case.detail}", flush=True)
+
+        results = run(target, draft, args.cases, args.seed, args.server_every, args.timeout, progress)
+    counts = summary(results)
+    print(json.dumps(counts, sort_keys=True), f"in {time.monotonic() - start:.0f} s")
+    if args.report:
+        args.report.write_text(json.dumps([asdict(c) for c in results], indent=1))
+    return 1 if any(c.outcome in ("crash", "hang") for c in results) else 0
+
+
+def tiny_pair(folder: Path) -> tuple[Path, Path]:
+    """A tiny llama target and a 3-layer sliding-window draft converted for it."""
+    from ikdflash.convert import convert
+    from ikdflash.tinydraft import write_hf_target, write_tiny_draft
+    from ikdflash.tinymodels import write_tiny_model
+    target = write_tiny_model(folder / "target.gguf", arch="llama")
+    hf = write_hf_target(folder / "target-hf", target)
+    checkpoint = write_tiny_draft(folder / "draft", hf, target_layer_ids=[0, 2], block_size=8,
+                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                  sliding_window=8)
+    return target, convert(checkpoint, hf, outtype="q8_0", outfile=folder / "draft.gguf", log=lambda _: None)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
