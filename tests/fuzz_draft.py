@@ -136,6 +136,7 @@ class CoreWorker:
 
     def load(self, path: Path) -> tuple[str, str]:
         if self.process is None or self.process.poll() is not None:
+            self.close()
             # no PATH: ggml's abort handler would spend seconds attaching gdb for a backtrace
             self.process = subprocess.Popen([sys.executable, "-c", WORKER, str(self.target)], text=True,
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -145,7 +146,7 @@ class CoreWorker:
         line = _readline(self.process, self.timeout)
         if line is None:
             self.process.kill()
-            self.process.wait()
+            self.close()
             return "hang", f"no verdict in {self.timeout:.0f} s"
         if line.startswith(LOADED):
             return "loaded", ""
@@ -155,9 +156,12 @@ class CoreWorker:
         return "crash", f"exit {code}: {last_complaint(self.process.stderr.read())}"
 
     def close(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.stdin.close()
-            self.process.wait()
+        if self.process is None:
+            return
+        for pipe in (self.process.stdin, self.process.stdout, self.process.stderr):
+            pipe.close()
+        self.process.wait()
+        self.process = None
 
 
 def last_complaint(log: str) -> str:
