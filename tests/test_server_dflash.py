@@ -7,6 +7,7 @@ import json
 import re
 import urllib.request
 
+import gguf
 import pytest
 
 from ikdflash import Server, ServerError, build_info
@@ -197,10 +198,14 @@ def test_full_attention_switch(swa_pairs, tmp_path):
     ("dflash:cross_ctx=0", True, "cross_ctx must be at least 1, got 0"),
     ("dflash:n_max=four", True, "n_max=four is not an integer"),
     ("dflash:n_max=4", False, "--spec-type dflash needs the DFlash draft: pass it with --model-draft"),
+    # 4 slots x 5 verification rows do not fit a batch of 16: an assert at the first busy step, before
+    ("dflash:n_max=4", ["--parallel", "4", "--batch-size", "16", "--ubatch-size", "16"],
+     "4 slots x 5 rows (n_max + 1) exceed --batch-size 16"),
 ])
 def test_bad_flags_exit_with_their_reason(swa_pairs, tmp_path, spec, extra, message):
     target, draft = swa_pairs["llama"]
-    args = (["--model-draft", str(draft)] if extra else []) + ["--spec-type", spec]
+    args = (["--model-draft", str(draft), *(extra if isinstance(extra, list) else [])] if extra else [])
+    args += ["--spec-type", spec]
     log = tmp_path / "s.log"
     with pytest.raises(ServerError, match="exited with code 1 during start-up"):
         Server(target, ctx_size=CTX, log_file=log, extra_args=args, startup_timeout=60).start()
@@ -215,3 +220,14 @@ def test_mismatched_draft_is_refused(swa_pairs, tmp_path):
     with pytest.raises(ServerError, match="exited with code 1 during start-up"):
         Server(target, ctx_size=CTX, log_file=log, extra_args=dflash_args(bad), startup_timeout=60).start()
     assert "target layer id 9 is outside the target's 4 layers" in log.read_text()
+
+
+def test_a_huge_n_probs_is_clamped_to_the_vocabulary(swa_pairs, tmp_path):
+    """n_probs near 2^31 threw bad_alloc out of the server's main loop, which killed it."""
+    target, draft = swa_pairs["llama"]
+    with Server(target, ctx_size=CTX, n_threads=2, log_file=tmp_path / "s.log", extra_args=dflash_args(draft)) as url:
+        reply = post_json(url + "/completion", {"prompt": PROMPT, "n_predict": 2, "temperature": 0,
+                                                "n_probs": 2**31 - 1})
+        n_vocab = len(reply["completion_probabilities"][0]["probs"])
+        assert post_json(url + "/completion", {"prompt": PROMPT, "n_predict": 2, "temperature": 0})["content"]
+    assert n_vocab == len(gguf.GGUFReader(target).fields["tokenizer.ggml.tokens"].contents())
