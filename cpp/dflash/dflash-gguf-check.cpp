@@ -193,7 +193,8 @@ void check_gguf_layout(const char * path) {
     const uint64_t n_kv = r.value<uint64_t>("the key count");
     // a key takes at least 12 bytes (length, type) and a tensor info at least 24
     if (n_kv > r.size() / 12 || n_tensors > r.size() / 24) {
-        fail("the header claims %" PRIu64 " keys and %" PRIu64 " tensors, more than the file holds", n_kv, n_tensors);
+        fail("the header claims %" PRIu64 " keys and %" PRIu64 " tensors, more than the file holds: truncated or corrupt",
+             n_kv, n_tensors);
     }
     uint64_t alignment = 32;  // GGUF's default
     for (uint64_t i = 0; i < n_kv; ++i) {
