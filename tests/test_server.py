@@ -6,6 +6,7 @@ import socket
 import pytest
 
 from ikdflash import Model, Server, ServerError, complete
+from ikdflash.server import absolute_paths
 
 PROMPT = "once upon a time there was a little server that could"
 
@@ -48,3 +49,16 @@ def test_server_dying_on_start_is_reported(tmp_path):
     broken.write_bytes(b"GGUF" + b"\x00" * 64)
     with pytest.raises(ServerError, match="exited with code 1 during start-up"):
         Server(broken, log_file=tmp_path / "server.log").start()
+
+
+def test_only_path_flags_are_made_absolute(tmp_path, monkeypatch):
+    """The server runs in another folder, so relative paths given to path flags become absolute;
+    before, any value naming a file here was rewritten, an --alias included."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").write_text("")
+    (tmp_path / "d.gguf").write_text("")
+    args = ["--alias", "model", "--model-draft", "d.gguf", "--slot-save-path", "slots", "--lora-scaled", "a.gguf",
+            "0.5", "--chat-template-file=t.jinja", "--spec-type", "dflash"]
+    assert absolute_paths(args) == ["--alias", "model", "--model-draft", str(tmp_path / "d.gguf"), "--slot-save-path",
+                                    str(tmp_path / "slots"), "--lora-scaled", str(tmp_path / "a.gguf"), "0.5",
+                                    f"--chat-template-file={tmp_path / 't.jinja'}", "--spec-type", "dflash"]

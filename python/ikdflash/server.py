@@ -46,6 +46,29 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+# llama-server flags whose value is a path. The server runs in another folder (see Server.start),
+# so a relative path given to one of these is passed on as an absolute one; other values (an
+# --alias that happens to name a file here) stay as they are.
+PATH_FLAGS = frozenset({
+    "--model-draft", "-md", "--lora", "--lora-scaled", "--control-vector", "--control-vector-scaled", "--mmproj",
+    "--slot-save-path", "--grammar-file", "--chat-template-file", "--log-file", "--api-key-file",
+    "--ssl-key-file", "--ssl-cert-file", "--json-schema-file",
+})
+
+
+def absolute_paths(args: Sequence[str]) -> list[str]:
+    """args with the values of PATH_FLAGS (as `--flag value` or `--flag=value`) made absolute."""
+    out: list[str] = []
+    for arg in args:
+        flag, eq, value = arg.partition("=")
+        if out and out[-1] in PATH_FLAGS:
+            arg = os.path.abspath(arg)
+        elif eq and flag in PATH_FLAGS:
+            arg = f"{flag}={os.path.abspath(value)}"
+        out.append(arg)
+    return out
+
+
 class Server:
     """One llama-server process serving ``model``; a context manager yielding its base URL."""
 
@@ -79,10 +102,7 @@ class Server:
                "--host", self.host, "--port", str(self.port)]
         if self.n_threads:
             cmd += ["-t", str(self.n_threads)]
-        # The server runs in another folder (see start): a relative path that names a file here
-        # (--model-draft draft.gguf) is given to it as an absolute one.
-        return cmd + [os.path.abspath(a) if os.path.exists(a) and not os.path.isabs(a) else a
-                      for a in self.extra_args]
+        return cmd + absolute_paths(self.extra_args)
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> str:
