@@ -2,6 +2,9 @@
 
 import os
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -62,3 +65,31 @@ def test_only_path_flags_are_made_absolute(tmp_path, monkeypatch):
     assert absolute_paths(args) == ["--alias", "model", "--model-draft", str(tmp_path / "d.gguf"), "--slot-save-path",
                                     str(tmp_path / "slots"), "--lora-scaled", str(tmp_path / "a.gguf"), "0.5",
                                     f"--chat-template-file={tmp_path / 't.jinja'}", "--spec-type", "dflash"]
+
+
+ORPHAN = """
+import sys, time
+from ikdflash import Server
+server = Server(sys.argv[1], ctx_size=256, n_threads=1)
+server.start()
+print(server.process.pid, server.port, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_server_ends_when_its_python_parent_is_killed(tiny_model):
+    """SIGKILL (or the OOM killer) gives Python no chance to stop its llama-server: before, the
+    server lived on, holding the port. Now it gets SIGTERM when its parent dies."""
+    for _ in range(3):
+        parent = subprocess.Popen([sys.executable, "-c", ORPHAN, str(tiny_model("llama"))], stdout=subprocess.PIPE,
+                                  text=True)
+        pid, port = map(int, parent.stdout.readline().split())
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
+        deadline = time.monotonic() + 15
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{pid}"), "llama-server outlived its parent"
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0, "something still listens on the port"

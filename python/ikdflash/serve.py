@@ -94,9 +94,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     def request_stop(_signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt  # SIGTERM stops the server the way Ctrl-C does
+        raise KeyboardInterrupt  # SIGTERM and SIGHUP (a closed terminal) stop the server as Ctrl-C does
 
     signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGHUP, request_stop)
     if server.port == 0:
         server.port = free_port(server.host)
     say(f"command: {shlex.join(server.command())}")

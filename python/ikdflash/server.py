@@ -11,10 +11,12 @@ process group, waits a grace period, then SIGKILL.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -44,6 +46,24 @@ def port_in_use(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def _end_with(parent: int) -> Callable[[], None] | None:
+    """For Popen's preexec_fn: on Linux, the server gets SIGTERM when its parent dies, however it dies
+    (SIGKILL, the OOM killer, a crash), so it never outlives us holding the port and the memory.
+    The signal follows the thread that started the server: start it from a thread that lives as
+    long as the server should."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def set_parent_death_signal() -> None:
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the prctl
+            os._exit(1)
+
+    return set_parent_death_signal
 
 
 # llama-server flags whose value is a path. The server runs in another folder (see Server.start),
@@ -122,7 +142,7 @@ class Server:
         output = self._log or (None if self.log_to_stdout else subprocess.DEVNULL)
         self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=output,
                                         stderr=subprocess.STDOUT, start_new_session=True, cwd=workdir,
-                                        env={**os.environ, **self.env})
+                                        env={**os.environ, **self.env}, preexec_fn=_end_with(os.getpid()))
         try:
             self._wait_ready()
         except BaseException:
