@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import selectors
 import subprocess
 import sys
 import tempfile
@@ -173,7 +174,6 @@ def last_complaint(log: str) -> str:
 
 def _readline(process: subprocess.Popen, timeout: float) -> str | None:
     """A line of the worker's stdout, "" when it exited, None on timeout."""
-    import selectors
     with selectors.DefaultSelector() as selector:
         selector.register(process.stdout, selectors.EVENT_READ)
         if not selector.select(timeout):

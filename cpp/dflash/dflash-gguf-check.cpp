@@ -34,7 +34,7 @@ struct file_closer {
 
 class header_reader {
 public:
-    header_reader(const char * path) : path_(path), file_(fopen(path, "rb")) {
+    header_reader(const char * path) : file_(fopen(path, "rb")) {
         if (!file_) {
             fail("cannot open '%s'", path);
         }
@@ -47,10 +47,7 @@ public:
     uint64_t offset() const { return offset_; }
 
     void bytes(void * out, uint64_t n, const char * what) {
-        if (n > size_ - offset_) {
-            fail("the file ends inside %s (offset %" PRIu64 " of %" PRIu64 " bytes): truncated or corrupt", what,
-                 offset_, size_);
-        }
+        ensure_left(n, what);
         if (fread(out, 1, n, file_.get()) != n) {
             fail("cannot read %s at offset %" PRIu64, what, offset_);
         }
@@ -64,10 +61,7 @@ public:
     }
 
     void skip(uint64_t n, const char * what) {
-        if (n > size_ - offset_) {
-            fail("the file ends inside %s (offset %" PRIu64 " of %" PRIu64 " bytes): truncated or corrupt", what,
-                 offset_, size_);
-        }
+        ensure_left(n, what);
         fseek(file_.get(), (long) n, SEEK_CUR);
         offset_ += n;
     }
@@ -83,30 +77,30 @@ public:
     }
 
 private:
-    std::string path_;
+    void ensure_left(uint64_t n, const char * what) const {
+        if (n > size_ - offset_) {
+            fail("the file ends inside %s (offset %" PRIu64 " of %" PRIu64 " bytes): truncated or corrupt", what,
+                 offset_, size_);
+        }
+    }
+
     std::unique_ptr<FILE, file_closer> file_;
     uint64_t size_ = 0;
     uint64_t offset_ = 0;
 };
 
-// A KV's value; returns the alignment when this is general.alignment (else 0).
-uint64_t skip_value(header_reader & r, const std::string & key, uint32_t type) {
+// Past a KV's value, checking its type and every length in it.
+void skip_value(header_reader & r, const std::string & key, uint32_t type) {
     if (type >= T_COUNT) {
         fail("key '%s' has unknown value type %u", key.c_str(), type);
     }
     if (type == T_STRING) {
         r.string(("the value of '" + key + "'").c_str());
-        return 0;
+        return;
     }
     if (type != T_ARRAY) {
-        if (key == "general.alignment") {
-            if (type != T_U32) {
-                fail("key 'general.alignment' must be a u32");
-            }
-            return r.value<uint32_t>("general.alignment");
-        }
         r.skip(k_scalar_size[type], key.c_str());
-        return 0;
+        return;
     }
     const uint32_t item = r.value<uint32_t>(key.c_str());
     const uint64_t n = r.value<uint64_t>(key.c_str());
@@ -121,13 +115,12 @@ uint64_t skip_value(header_reader & r, const std::string & key, uint32_t type) {
         for (uint64_t i = 0; i < n; ++i) {
             r.string(("an item of '" + key + "'").c_str());
         }
-        return 0;
+        return;
     }
     if (n > (r.size() - r.offset()) / k_scalar_size[item]) {
         fail("key '%s' claims %" PRIu64 " items, more than the file holds", key.c_str(), n);
     }
     r.skip(n * k_scalar_size[item], key.c_str());
-    return 0;
 }
 
 struct tensor_extent {
@@ -199,12 +192,17 @@ void check_gguf_layout(const char * path) {
     uint64_t alignment = 32;  // GGUF's default
     for (uint64_t i = 0; i < n_kv; ++i) {
         const std::string key = r.string("a key");
-        const uint64_t a = skip_value(r, key, r.value<uint32_t>(("the type of '" + key + "'").c_str()));
-        if (key == "general.alignment") {
-            if (a == 0 || (a & (a - 1)) != 0) {
-                fail("general.alignment %" PRIu64 " is not a power of two", a);
-            }
-            alignment = a;
+        const uint32_t type = r.value<uint32_t>(("the type of '" + key + "'").c_str());
+        if (key != "general.alignment") {
+            skip_value(r, key, type);
+            continue;
+        }
+        if (type != T_U32) {
+            fail("key 'general.alignment' must be a u32");
+        }
+        alignment = r.value<uint32_t>("general.alignment");
+        if (alignment == 0 || (alignment & (alignment - 1)) != 0) {
+            fail("general.alignment %" PRIu64 " is not a power of two", alignment);
         }
     }
     std::vector<tensor_extent> tensors;
