@@ -18,19 +18,16 @@ import argparse
 import json
 import os
 import random
-import selectors
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-# the verdict lines a worker prints for each file
-LOADED, REFUSED = "LOADED", "REFUSED"
+from fuzzing import Case, Worker, failures, summary
 
 WORKER = r"""
 import sys
@@ -49,15 +46,6 @@ for line in sys.stdin:
     except (ValueError, RuntimeError) as e:
         print("REFUSED", str(e).replace("\n", " ")[:300], flush=True)
 """
-
-
-@dataclass
-class Case:
-    index: int
-    mutation: str
-    via: str            # "core" | "server"
-    outcome: str        # "loaded" | "refused" | "crash" | "hang"
-    detail: str
 
 
 class Mutator:
@@ -129,58 +117,6 @@ class Mutator:
         return f"{kind}={','.join(flips)}", bytes(data)
 
 
-class CoreWorker:
-    """A process loading drafts through `_core`, one per line of stdin; restarted after a crash."""
-
-    def __init__(self, target: Path, timeout: float) -> None:
-        self.target, self.timeout, self.process = target, timeout, None
-
-    def load(self, path: Path) -> tuple[str, str]:
-        if self.process is None or self.process.poll() is not None:
-            self.close()
-            # no PATH: ggml's abort handler would spend seconds attaching gdb for a backtrace
-            self.process = subprocess.Popen([sys.executable, "-c", WORKER, str(self.target)], text=True,
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                            env={**os.environ, "PATH": ""})
-        self.process.stdin.write(f"{path}\n")
-        self.process.stdin.flush()
-        line = _readline(self.process, self.timeout)
-        if line is None:
-            self.process.kill()
-            self.close()
-            return "hang", f"no verdict in {self.timeout:.0f} s"
-        if line.startswith(LOADED):
-            return "loaded", ""
-        if line.startswith(REFUSED):
-            return "refused", line[len(REFUSED):].strip()
-        code = self.process.wait()
-        return "crash", f"exit {code}: {last_complaint(self.process.stderr.read())}"
-
-    def close(self) -> None:
-        if self.process is None:
-            return
-        for pipe in (self.process.stdin, self.process.stdout, self.process.stderr):
-            pipe.close()
-        self.process.wait()
-        self.process = None
-
-
-def last_complaint(log: str) -> str:
-    """The last line of a log that says what went wrong (an assert, an error, an exception)."""
-    lines = [line for line in log.splitlines()
-             if any(word in line for word in ("ASSERT", "error", "Error", "terminate", "what()", "Segmentation"))]
-    return (lines[-1] if lines else log[-300:]).strip()[:300]
-
-
-def _readline(process: subprocess.Popen, timeout: float) -> str | None:
-    """A line of the worker's stdout, "" when it exited, None on timeout."""
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stdout, selectors.EVENT_READ)
-        if not selector.select(timeout):
-            return None
-    return process.stdout.readline()
-
-
 def load_in_server(target: Path, draft: Path, log: Path, timeout: float) -> tuple[str, str]:
     from ikdflash import Server, ServerError
     from ikdflash.client import post_json
@@ -204,7 +140,7 @@ def run(target: Path, draft: Path, cases: int, seed: int, server_every: int = 0,
         progress=lambda case: None) -> list[Case]:
     mutator = Mutator(draft)
     rng = random.Random(seed)
-    worker = CoreWorker(target, timeout)
+    worker = Worker(WORKER, [str(target)], ("LOADED", "REFUSED"), timeout)
     results = []
     with tempfile.TemporaryDirectory(prefix="ikdflash-fuzz-") as folder:
         try:
@@ -212,7 +148,7 @@ def run(target: Path, draft: Path, cases: int, seed: int, server_every: int = 0,
                 mutation, data = mutator.mutate(rng)
                 path = Path(folder) / f"case-{index}.gguf"
                 path.write_bytes(data)
-                outcome, detail = worker.load(path)
+                outcome, detail = worker.judge(str(path))
                 results.append(Case(index, mutation, "core", outcome, detail))
                 progress(results[-1])
                 if server_every and index % server_every == 0:
@@ -223,14 +159,6 @@ def run(target: Path, draft: Path, cases: int, seed: int, server_every: int = 0,
         finally:
             worker.close()
     return results
-
-
-def summary(results: list[Case]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for case in results:
-        key = f"{case.via}:{case.outcome}"
-        counts[key] = counts.get(key, 0) + 1
-    return counts
 
 
 def main() -> int:
@@ -260,7 +188,7 @@ def main() -> int:
     print(json.dumps(counts, sort_keys=True), f"in {time.monotonic() - start:.0f} s")
     if args.report:
         args.report.write_text(json.dumps([asdict(c) for c in results], indent=1))
-    return 1 if any(c.outcome in ("crash", "hang") for c in results) else 0
+    return 1 if failures(results) else 0
 
 
 def tiny_pair(folder: Path) -> tuple[Path, Path]:

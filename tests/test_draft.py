@@ -4,12 +4,15 @@ computes; and every bad file or mismatched pair refused with its reason."""
 from __future__ import annotations
 
 import json
+import re
+import struct
 
 import numpy as np
 import pytest
 
 from ikdflash import _core
 from ikdflash.convert import ConversionError, convert
+from ikdflash.hf import read_tensors, write_tensors
 from ikdflash.tinydraft import write_hf_target, write_tiny_draft
 from gguf_edit import DROP, rewrite
 
@@ -378,6 +381,113 @@ def test_converter_errors(target, tmp_path, change, message):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConversionError, match=message.replace("(", r"\(").replace(")", r"\)")):
         convert(folder, hf, log=lambda _: None)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"hidden_size": "64"}, "'hidden_size' must be an integer, got '64'"),
+    ({"num_hidden_layers": 10**6}, "'num_hidden_layers' is 1000000, outside 1..64"),
+    ({"rope_theta": 1e308}, "'rope_theta' must be a positive 32-bit float"),
+    ({"rope_scaling": "yarn"}, "'rope_scaling' must be an object"),
+    ({"dflash_config": {"target_layer_ids": list(range(300)), "mask_token_id": 5}}, "a list of 1..8 layer ids"),
+    ({"layer_types": "full_attention"}, "layer_types must be a list of strings"),
+    ({"is_causal": "yes"}, "'is_causal' must be true or false"),
+])
+def test_converter_refuses_hostile_config_values(target, tmp_path, change, message):
+    """Before, each of these escaped as a TypeError, OverflowError or AttributeError."""
+    test_converter_errors(target, tmp_path, change, message)
+
+
+def _draft_with_index(hf, folder, shard_name):
+    folder = write_tiny_draft(folder, hf, target_layer_ids=[0], layer_types=["full_attention"])
+    names = list(read_tensors(folder))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {name: "model.safetensors" for name in names} | {names[0]: shard_name}}))
+    return folder
+
+
+@pytest.mark.parametrize("shard", ["/dev/zero", "../hf-target/config.json", "/etc/passwd", "sub/../../x"])
+def test_shard_names_must_stay_in_the_checkpoint(target, tmp_path, shard):
+    """The index names the shards; before, "/dev/zero" hung the converter reading it whole."""
+    _, hf, _ = target
+    folder = _draft_with_index(hf, tmp_path / "d", shard)
+    with pytest.raises(ConversionError, match="is not a path inside the checkpoint folder"):
+        convert(folder, hf, log=lambda _: None)
+
+
+def test_a_hugging_face_cache_snapshot_of_symlinks_converts(target, tmp_path):
+    """Shards may be symlinks out of the folder: the hub cache links snapshots to its blobs."""
+    _, hf, model = target
+    folder = _draft_with_index(hf, tmp_path / "d", "model.safetensors")
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    (folder / "model.safetensors").rename(blobs / "abc123")
+    (folder / "model.safetensors").symlink_to(blobs / "abc123")
+    out = convert(folder, hf, outtype="f32", log=lambda _: None)
+    assert _core.Draft(model, str(out)).info()["n_layer"] == 1
+
+
+def _rewrite_header(path, edit):
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    edit(header)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data[8 + length:])
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("data_offsets", [0, 8], "holds 8 bytes, but shape"),
+    ("data_offsets", [8, 0], "invalid data_offsets"),
+    ("data_offsets", [0, 2**62], "runs past the end of the file"),
+    ("shape", [-1, 4], "invalid shape"),
+    ("dtype", "F64", "unsupported dtype 'F64'"),
+])
+def test_safetensors_entries_are_checked_against_their_bytes(target, tmp_path, field, value, message):
+    _, hf, _ = target
+    folder = write_tiny_draft(tmp_path / "d", hf, target_layer_ids=[0], layer_types=["full_attention"])
+    _rewrite_header(folder / "model.safetensors", lambda h: h["fc.weight"].update({field: value}))
+    with pytest.raises(ConversionError, match=re.escape(message)):
+        convert(folder, hf, log=lambda _: None)
+
+
+def test_every_weight_is_checked_against_the_config(target, tmp_path):
+    """Only fc.weight's shape was checked: a transposed k_proj converted, and failed at load."""
+    _, hf, _ = target
+    folder = write_tiny_draft(tmp_path / "d", hf, target_layer_ids=[0], layer_types=["full_attention"])
+    tensors = read_tensors(folder)
+    tensors["layers.0.self_attn.k_proj.weight"] = tensors["layers.0.self_attn.k_proj.weight"].T.copy()
+    write_tensors(folder / "model.safetensors", tensors)
+    with pytest.raises(ConversionError, match=re.escape("blk.0.attn_k.weight has shape [64, 32], expected [32, 64]")):
+        convert(folder, hf, log=lambda _: None)
+
+
+def test_the_output_never_replaces_an_input(target, tmp_path):
+    _, hf, _ = target
+    folder = write_tiny_draft(tmp_path / "d", hf, target_layer_ids=[0], layer_types=["full_attention"])
+    before = (folder / "model.safetensors").read_bytes()
+    with pytest.raises(ConversionError, match="is one of the inputs"):
+        convert(folder, hf, outfile=folder / "model.safetensors", log=lambda _: None)
+    assert (folder / "model.safetensors").read_bytes() == before
+
+
+def test_an_interrupted_conversion_keeps_the_old_file(target, tmp_path, monkeypatch):
+    """Written to a temporary file and renamed: before, Ctrl-C while the weights were written
+    left a truncated GGUF at --outfile in place of the old draft."""
+    import gguf
+    _, hf, _ = target
+    folder = write_tiny_draft(tmp_path / "d", hf, target_layer_ids=[0], layer_types=["full_attention"])
+    outfile = convert(folder, hf, outtype="f32", outfile=tmp_path / "draft.gguf", log=lambda _: None)
+    before = outfile.read_bytes()
+
+    def ctrl_c(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        convert(folder, hf, outtype="q8_0", outfile=outfile, log=lambda _: None)
+    assert outfile.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "draft.gguf"]
 
 
 def test_converter_missing_inputs(target, tmp_path):

@@ -12,7 +12,8 @@ import gguf
 import numpy as np
 
 from ikdflash import _core
-from fuzz_draft import run, summary
+from fuzz_draft import run
+from fuzzing import summary
 from gguf_edit import DROP, rewrite
 
 
@@ -70,3 +71,15 @@ def test_a_tensor_of_the_wrong_rank_is_refused(pair, model, tmp_path):
     bad = rewrite(pair[1], tmp_path / "rank.gguf", tensors={q.name: np.ones([2, *shape])})
     with pytest.raises(ValueError, match="'blk.0.attn_q.weight' has 3 dimensions, expected 2"):
         _core.Draft(model, str(bad))
+
+
+def test_mutated_checkpoints_convert_or_are_refused():
+    """A slice of tests/fuzz_convert.py: config values of the wrong type or size, safetensors
+    headers with bad dtypes, shapes and offsets, hostile shard names. Before, these raised
+    TypeError, KeyError, OverflowError... out of `ikdflash convert`, or read /dev/zero."""
+    from fuzz_convert import run as run_convert
+    results = run_convert(cases=80, seed=4321)
+    assert not [case for case in results if case.outcome in ("crash", "hang")]
+    counts = summary(results)
+    assert counts.get("convert:refused", 0) > 40 and counts.get("convert:converted", 0) > 5
+    assert all(case.detail for case in results if case.outcome == "refused")

@@ -21,8 +21,10 @@ four additions:
 from __future__ import annotations
 
 import argparse
-import json
+import math
+import os
 import re
+import tempfile
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +33,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import gguf
 
-from ikdflash.hf import CheckpointError, read_config, read_tensors, text_config
+from ikdflash.hf import CheckpointError, read_config, read_json_object, read_tensors, text_config
 from ikdflash.pair import gguf_field
 
 ARCH = "dflash-draft"
@@ -105,97 +107,165 @@ class TargetInfo:
 
 # --- reading the draft config ------------------------------------------------------------------
 
+# What the fork's draft loader accepts (cpp/dflash/dflash-draft.cpp); a checkpoint outside these
+# would convert into a file that cannot load, so it is refused here with the config key named.
+MAX_LAYERS = 64
+MAX_WIDTH = 1 << 16      # embedding, feed-forward, heads x head size
+MAX_HEADS = 1024
+MAX_BLOCK = 256
+INT32_MAX = 2**31 - 1
+
+
 def _draft_value(config: Mapping[str, Any], name: str, default: Any = None) -> Any:
     """The reference's lookup: dflash_config first, then the top level."""
-    return config.get("dflash_config", {}).get(name, config.get(name, default))
+    nested = config.get("dflash_config")
+    if isinstance(nested, dict) and name in nested:
+        return nested[name]
+    return config.get(name, default)
 
 
-def _require(config: Mapping[str, Any], name: str, where: str) -> Any:
-    if name not in config:
-        raise ConversionError(f"{where}: missing required key '{name}'")
-    return config[name]
+def _integer(value: Any, name: str, where: str, lo: int, hi: int) -> int:
+    """A config integer in lo..hi; JSON true/false, strings and fractions are refused."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if type(value) is not int:
+        raise ConversionError(f"{where}: '{name}' must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise ConversionError(f"{where}: '{name}' is {value}, outside {lo}..{hi}")
+    return value
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # the header stores floats as F32
+
+
+def _number(value: Any, name: str, where: str, *, positive: bool = False) -> float:
+    if (type(value) not in (int, float) or not math.isfinite(value) or abs(value) > FLOAT32_MAX
+            or (positive and value <= 0)):
+        kind = "a positive 32-bit float" if positive else "a finite 32-bit float"
+        raise ConversionError(f"{where}: '{name}' must be {kind}, got {value!r}")
+    return float(value)
+
+
+def _section(config: Mapping[str, Any], name: str, where: str) -> Mapping[str, Any]:
+    """An optional nested object (rope_scaling, rope_parameters): absent or null is empty."""
+    value = config.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConversionError(f"{where}: '{name}' must be an object, got {value!r}")
+    return value
 
 
 def _rope_theta(config: Mapping[str, Any], where: str) -> float:
     if "rope_theta" in config:
-        return float(config["rope_theta"])
-    params = config.get("rope_parameters") or {}
+        return _number(config["rope_theta"], "rope_theta", where, positive=True)
+    params = _section(config, "rope_parameters", where)
     if "rope_theta" in params:
-        return float(params["rope_theta"])
+        return _number(params["rope_theta"], "rope_parameters.rope_theta", where, positive=True)
     return 10000.0  # transformers' Qwen3 default when neither is given
 
 
 def _check_rope_scaling(config: Mapping[str, Any], where: str) -> None:
     for key in ("rope_scaling", "rope_parameters"):
-        params = config.get(key) or {}
+        params = _section(config, key, where)
         kind = params.get("rope_type", params.get("type", "default"))
         if kind not in ("default", None):
-            raise ConversionError(f"{where}: {key} type '{kind}' is not supported (only plain RoPE)")
-    factor = float(config.get("partial_rotary_factor", 1.0))
+            raise ConversionError(f"{where}: {key} type {kind!r} is not supported (only plain RoPE)")
+    factor = _number(config.get("partial_rotary_factor", 1.0), "partial_rotary_factor", where)
     if factor != 1.0:
         raise ConversionError(f"{where}: partial_rotary_factor={factor} is not supported")
 
 
-def read_draft_header(config: Mapping[str, Any], target: TargetInfo, where: str) -> DraftHeader:
-    archs = config.get("architectures") or []
-    if "DFlashDraftModel" not in archs:
-        raise ConversionError(f"{where}: architecture {archs or 'unknown'} is not supported "
-                              "(expected DFlashDraftModel)")
-    if config.get("attention_bias"):
-        raise ConversionError(f"{where}: attention_bias=true is not supported by the dflash-draft format")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ConversionError(f"{where}: hidden_act '{config['hidden_act']}' is not supported (only silu)")
-    _check_rope_scaling(config, where)
-
-    n_layer = int(_require(config, "num_hidden_layers", where))
-    n_embd = int(_require(config, "hidden_size", where))
-    n_head = int(_require(config, "num_attention_heads", where))
+def _layer_ids(config: Mapping[str, Any], target: TargetInfo, where: str) -> list[int]:
     layer_ids = _draft_value(config, "target_layer_ids")
     if layer_ids is None:
         raise ConversionError(f"{where}: missing required key 'target_layer_ids' (in dflash_config or top level)")
-    layer_ids = [int(i) for i in layer_ids]
-    if not 1 <= len(layer_ids) <= MAX_TARGET_LAYERS or len(set(layer_ids)) != len(layer_ids):
-        raise ConversionError(f"{where}: target_layer_ids {layer_ids} must be 1..{MAX_TARGET_LAYERS} distinct ids")
-    bad = [i for i in layer_ids if not 0 <= i < target.n_layer]
+    if not isinstance(layer_ids, list) or not 1 <= len(layer_ids) <= MAX_TARGET_LAYERS:
+        raise ConversionError(f"{where}: target_layer_ids must be a list of 1..{MAX_TARGET_LAYERS} layer ids")
+    layer_ids = [_integer(i, "target_layer_ids", where, 0, INT32_MAX) for i in layer_ids]
+    if len(set(layer_ids)) != len(layer_ids):
+        raise ConversionError(f"{where}: target_layer_ids {layer_ids} must be distinct")
+    bad = [i for i in layer_ids if i >= target.n_layer]
     if bad:
         raise ConversionError(f"{where}: target_layer_ids {bad} are outside the target's {target.n_layer} layers")
-    mask_token_id = _draft_value(config, "mask_token_id")
-    if mask_token_id is None:
-        raise ConversionError(f"{where}: missing required key 'mask_token_id'")
-    if not 0 <= int(mask_token_id) < target.n_vocab:
-        raise ConversionError(f"{where}: mask_token_id {mask_token_id} is outside the target vocabulary "
-                              f"({target.n_vocab} tokens)")
-    block_size = int(_draft_value(config, "block_size", 16))
-    if block_size < 2:
-        raise ConversionError(f"{where}: block_size must be at least 2, got {block_size}")
+    return layer_ids
 
+
+def _sliding_layers(config: Mapping[str, Any], n_layer: int, where: str) -> tuple[int, list[bool]]:
+    """(window, per-layer sliding flags); (0, []) for a draft without sliding layers."""
     layer_types = config.get("layer_types") or ["full_attention"] * n_layer
+    if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+        raise ConversionError(f"{where}: layer_types must be a list of strings")
     if len(layer_types) != n_layer:
         raise ConversionError(f"{where}: layer_types has {len(layer_types)} entries for {n_layer} layers")
     unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if unknown:
         raise ConversionError(f"{where}: unsupported layer_types {unknown}")
     pattern = [t == "sliding_attention" for t in layer_types]
-    window = int(config.get("sliding_window") or 0) if any(pattern) else 0
-    if any(pattern) and window < 1:
+    if not any(pattern):
+        return 0, []
+    window = _integer(config.get("sliding_window") or 0, "sliding_window", where, 0, INT32_MAX)
+    if window < 1:
         raise ConversionError(f"{where}: layer_types has sliding layers but sliding_window is not set")
+    return window, pattern
+
+
+def read_draft_header(config: Mapping[str, Any], target: TargetInfo, where: str) -> DraftHeader:
+    archs = config.get("architectures") or []
+    if not isinstance(archs, list) or "DFlashDraftModel" not in archs:
+        raise ConversionError(f"{where}: architecture {archs or 'unknown'} is not supported "
+                              "(expected DFlashDraftModel)")
+    if config.get("attention_bias"):
+        raise ConversionError(f"{where}: attention_bias=true is not supported by the dflash-draft format")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ConversionError(f"{where}: hidden_act {config['hidden_act']!r} is not supported (only silu)")
+    _check_rope_scaling(config, where)
+
+    def integer(name: str, lo: int, hi: int, default: Any = None) -> int:
+        value = config.get(name)
+        value = default if value is None else value
+        if value is None:
+            raise ConversionError(f"{where}: missing required key '{name}'")
+        return _integer(value, name, where, lo, hi)
+
+    n_layer = integer("num_hidden_layers", 1, MAX_LAYERS)
+    n_embd = integer("hidden_size", 1, MAX_WIDTH)
+    n_head = integer("num_attention_heads", 1, MAX_HEADS)
+    n_head_kv = integer("num_key_value_heads", 1, n_head, default=n_head)
+    if n_head % n_head_kv:
+        raise ConversionError(f"{where}: num_attention_heads {n_head} is not a multiple of "
+                              f"num_key_value_heads {n_head_kv}")
+    head_dim = integer("head_dim", 1, MAX_WIDTH, default=max(1, n_embd // n_head))
+    if n_head * head_dim > MAX_WIDTH:
+        raise ConversionError(f"{where}: {n_head} heads of {head_dim} exceed {MAX_WIDTH}")
+    layer_ids = _layer_ids(config, target, where)
+    mask_token_id = _draft_value(config, "mask_token_id")
+    if mask_token_id is None:
+        raise ConversionError(f"{where}: missing required key 'mask_token_id'")
+    mask_token_id = _integer(mask_token_id, "mask_token_id", where, 0, INT32_MAX)
+    if mask_token_id >= target.n_vocab:
+        raise ConversionError(f"{where}: mask_token_id {mask_token_id} is outside the target vocabulary "
+                              f"({target.n_vocab} tokens)")
+    block_size = _integer(_draft_value(config, "block_size", 16), "block_size", where, 2, MAX_BLOCK)
+    window, pattern = _sliding_layers(config, n_layer, where)
+    is_causal = config.get("is_causal")
+    if is_causal is not None and not isinstance(is_causal, bool):
+        raise ConversionError(f"{where}: 'is_causal' must be true or false, got {is_causal!r}")
 
     def optional_float(name: str) -> float | None:
         value = _draft_value(config, name)
-        return None if value is None else float(value)
+        return None if value is None else _number(value, name, where)
 
     return DraftHeader(
-        n_layer=n_layer, n_embd=n_embd, n_head=n_head,
-        n_head_kv=int(config.get("num_key_value_heads", n_head)),
-        head_dim=int(config.get("head_dim") or n_embd // n_head),
-        n_ff=int(_require(config, "intermediate_size", where)),
-        rms_eps=float(config.get("rms_norm_eps", 1e-6)),
-        context_length=int(config.get("max_position_embeddings", 32768)),
+        n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+        n_ff=integer("intermediate_size", 1, MAX_WIDTH),
+        rms_eps=_number(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", where, positive=True),
+        context_length=integer("max_position_embeddings", 0, INT32_MAX, default=32768),
         rope_theta=_rope_theta(config, where),
-        block_size=block_size, mask_token_id=int(mask_token_id), target_layer_ids=layer_ids,
+        block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=layer_ids,
         n_target_features=target.hidden_size * len(layer_ids),
-        sliding_window=window, sliding_pattern=pattern if window else [],
-        is_causal=None if config.get("is_causal") is None else bool(config["is_causal"]),
+        sliding_window=window, sliding_pattern=pattern,
+        is_causal=is_causal,
         input_embedding_scale=optional_float("input_embedding_scale"),
         output_multiplier=optional_float("output_multiplier"),
         final_logit_softcapping=optional_float("final_logit_softcapping"),
@@ -204,27 +274,44 @@ def read_draft_header(config: Mapping[str, Any], target: TargetInfo, where: str)
 
 # --- reading the target ------------------------------------------------------------------------
 
-def _bpe_tokenizer_from_hf(folder: Path) -> dict[str, Any]:
+MAX_VOCAB = 1 << 24  # token ids above this are a corrupt tokenizer, not a vocabulary
+
+
+def _bpe_tokenizer_from_hf(folder: Path, vocab_size: int) -> dict[str, Any]:
+    """The target's byte-level BPE tokenizer as GGUF keys; the token list is padded with [PAD]
+    entries up to the config's vocab_size, as the target's own GGUF is."""
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise ConversionError(f"{path}: not found; the draft takes its tokenizer from the target")
-    tok = json.loads(path.read_text())
-    model = tok.get("model", {})
-    if model.get("type") != "BPE":
-        raise ConversionError(f"{path}: tokenizer type {model.get('type')} is not supported (only byte-level BPE)")
-    vocab: dict[str, int] = dict(model["vocab"])
-    special = set()
-    for added in tok.get("added_tokens", []):
-        vocab[added["content"]] = added["id"]
-        if added.get("special"):
-            special.add(added["id"])
-    n_vocab = max(vocab.values()) + 1
+    tok = read_json_object(path)
+    model = tok.get("model")
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        kind = model.get("type") if isinstance(model, dict) else None
+        raise ConversionError(f"{path}: tokenizer type {kind} is not supported (only byte-level BPE)")
+    vocab, special = model.get("vocab"), set()
+    added = tok.get("added_tokens", [])
+    if not isinstance(vocab, dict) or not isinstance(added, list) or not all(isinstance(a, dict) for a in added):
+        raise ConversionError(f"{path}: model.vocab must be an object and added_tokens a list of objects")
+    vocab = dict(vocab)
+    for token in added:
+        vocab[token.get("content")] = token.get("id")
+        if token.get("special"):
+            special.add(token.get("id"))
+    bad = next(((t, i) for t, i in vocab.items()
+                if not isinstance(t, str) or type(i) is not int or not 0 <= i < MAX_VOCAB), None)
+    if bad or not vocab:
+        raise ConversionError(f"{path}: token {bad!r} is not a string with an id in 0..{MAX_VOCAB - 1}"
+                              if bad else f"{path}: the vocabulary is empty")
+    n_vocab = max(max(vocab.values()) + 1, vocab_size)
     tokens = [f"[PAD{i}]" for i in range(n_vocab)]
     types = [gguf.TokenType.UNUSED] * n_vocab
     for text, idx in vocab.items():
         tokens[idx] = text
         types[idx] = gguf.TokenType.CONTROL if idx in special else gguf.TokenType.NORMAL
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    merges = model.get("merges", [])
+    if not isinstance(merges, list):
+        raise ConversionError(f"{path}: model.merges must be a list")
+    merges = [m if isinstance(m, str) else " ".join(map(str, m)) for m in merges]
     result: dict[str, Any] = {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "qwen2",
@@ -233,63 +320,95 @@ def _bpe_tokenizer_from_hf(folder: Path) -> dict[str, Any]:
         "tokenizer.ggml.merges": merges,
     }
     tok_config_path = folder / "tokenizer_config.json"
-    tok_config = json.loads(tok_config_path.read_text()) if tok_config_path.is_file() else {}
+    tok_config = read_json_object(tok_config_path) if tok_config_path.is_file() else {}
     for role in ("bos", "eos", "pad"):
         name = tok_config.get(f"{role}_token")
         if isinstance(name, dict):
             name = name.get("content")
-        if name in vocab:
+        if isinstance(name, str) and name in vocab:
             result[f"tokenizer.ggml.{role}_token_id"] = vocab[name]
     if "add_bos_token" in tok_config:
         result["tokenizer.ggml.add_bos_token"] = bool(tok_config["add_bos_token"])
     return result
 
 
+def _target_from_gguf(target: Path) -> TargetInfo:
+    try:
+        reader = gguf.GGUFReader(target)
+        arch = gguf_field(reader, "general.architecture")
+        tokenizer = {k: gguf_field(reader, k) for k in reader.fields if k.startswith("tokenizer.")}
+        hidden = gguf_field(reader, f"{arch}.embedding_length")
+        n_layer = gguf_field(reader, f"{arch}.block_count")
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        raise ConversionError(f"{target}: not a readable GGUF model: {e}") from None
+    tokens = tokenizer.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise ConversionError(f"{target}: the GGUF has no tokenizer")
+    return TargetInfo(hidden_size=_integer(hidden, "embedding_length", str(target), 1, MAX_WIDTH),
+                      n_layer=_integer(n_layer, "block_count", str(target), 1, INT32_MAX),
+                      n_vocab=len(tokens), tokenizer=tokenizer)
+
+
 def read_target(target: Path) -> TargetInfo:
     if not target.exists():
         raise ConversionError(f"target {target} does not exist (give the target's HF folder or GGUF file)")
     if target.is_file():
-        try:
-            reader = gguf.GGUFReader(target)
-        except (ValueError, OSError) as e:
-            raise ConversionError(f"{target}: not a readable GGUF file: {e}") from None
-        arch = gguf_field(reader, "general.architecture")
-        tokenizer = {k: gguf_field(reader, k) for k in reader.fields if k.startswith("tokenizer.")}
-        if "tokenizer.ggml.tokens" not in tokenizer:
-            raise ConversionError(f"{target}: the GGUF has no tokenizer")
-        return TargetInfo(hidden_size=int(gguf_field(reader, f"{arch}.embedding_length")),
-                          n_layer=int(gguf_field(reader, f"{arch}.block_count")),
-                          n_vocab=len(tokenizer["tokenizer.ggml.tokens"]), tokenizer=tokenizer)
+        return _target_from_gguf(target)
+    where = f"{target}/config.json"
     try:
         config = text_config(read_config(target))
     except CheckpointError as e:
         raise ConversionError(str(e)) from None
-    tokenizer = _bpe_tokenizer_from_hf(target)
-    hidden = config.get("hidden_size")
-    if hidden is None:
-        raise ConversionError(f"{target}/config.json: no hidden_size (needed for the draft's feature width)")
-    return TargetInfo(hidden_size=int(hidden), n_layer=int(config.get("num_hidden_layers", 0)),
-                      n_vocab=int(config.get("vocab_size", len(tokenizer["tokenizer.ggml.tokens"]))),
+    if not isinstance(config, dict):
+        raise ConversionError(f"{where}: text_config must be an object")
+    if config.get("hidden_size") is None:
+        raise ConversionError(f"{where}: no hidden_size (needed for the draft's feature width)")
+    hidden = _integer(config["hidden_size"], "hidden_size", where, 1, MAX_WIDTH)
+    n_layer = _integer(config.get("num_hidden_layers", 0), "num_hidden_layers", where, 0, INT32_MAX)
+    vocab_size = _integer(config.get("vocab_size", 0), "vocab_size", where, 0, MAX_VOCAB)
+    tokenizer = _bpe_tokenizer_from_hf(target, vocab_size)
+    return TargetInfo(hidden_size=hidden, n_layer=n_layer, n_vocab=len(tokenizer["tokenizer.ggml.tokens"]),
                       tokenizer=tokenizer)
 
 
 # --- tensors -----------------------------------------------------------------------------------
 
-def map_tensors(weights: Mapping[str, np.ndarray], header: DraftHeader, where: str) -> dict[str, np.ndarray]:
-    """HF names -> GGUF names, checking that every expected weight is there and nothing else."""
+def expected_shapes(header: DraftHeader, n_vocab: int) -> dict[str, tuple[int, ...]]:
+    """GGUF name -> the Hugging Face shape (rows, cols) every weight must have."""
+    q, kv, e, ff = header.n_head * header.head_dim, header.n_head_kv * header.head_dim, header.n_embd, header.n_ff
+    per_layer = {
+        "attn_norm.weight": (e,), "post_attention_norm.weight": (e,),
+        "attn_q.weight": (q, e), "attn_k.weight": (kv, e), "attn_v.weight": (kv, e),
+        "attn_output.weight": (e, q), "attn_q_norm.weight": (header.head_dim,),
+        "attn_k_norm.weight": (header.head_dim,),
+        "ffn_gate.weight": (ff, e), "ffn_up.weight": (ff, e), "ffn_down.weight": (e, ff),
+    }
+    shapes = {"dflash_fc.weight": (e, header.n_target_features), "dflash_hidden_norm.weight": (e,),
+              "output_norm.weight": (e,), "token_embd.weight": (n_vocab, e), "output.weight": (n_vocab, e)}
+    for il in range(header.n_layer):
+        shapes |= {f"blk.{il}.{name}": shape for name, shape in per_layer.items()}
+    return shapes
+
+
+def map_tensors(weights: Mapping[str, np.ndarray], header: DraftHeader, n_vocab: int,
+                where: str) -> dict[str, np.ndarray]:
+    """HF names -> GGUF names, checking that every expected weight is there with its shape, and
+    nothing else."""
     out: dict[str, np.ndarray] = {}
     unknown = []
     for hf_name, array in weights.items():
         name = hf_name.removeprefix("model.")
         layer = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
         if layer and layer.group(2) in LAYER_TENSORS and int(layer.group(1)) < header.n_layer:
-            out[f"blk.{layer.group(1)}.{LAYER_TENSORS[layer.group(2)]}"] = array
-        elif name in GLOBAL_TENSORS:
-            out[GLOBAL_TENSORS[name]] = array
-        elif name in OPTIONAL_TENSORS:
-            out[OPTIONAL_TENSORS[name]] = array
+            gguf_name = f"blk.{int(layer.group(1))}.{LAYER_TENSORS[layer.group(2)]}"
         else:
+            gguf_name = GLOBAL_TENSORS.get(name, OPTIONAL_TENSORS.get(name))
+        if gguf_name is None:
             unknown.append(hf_name)
+        elif gguf_name in out:
+            raise ConversionError(f"{where}: {hf_name} is a second copy of {gguf_name}")
+        else:
+            out[gguf_name] = array
     if unknown:
         raise ConversionError(f"{where}: weights the dflash-draft format cannot hold: {', '.join(sorted(unknown))}")
     expected = list(GLOBAL_TENSORS.values()) + [f"blk.{i}.{t}" for i in range(header.n_layer)
@@ -299,13 +418,19 @@ def map_tensors(weights: Mapping[str, np.ndarray], header: DraftHeader, where: s
         raise ConversionError(f"{where}: missing weights: {', '.join(missing)}")
     if "output.weight" in out and "token_embd.weight" not in out:
         raise ConversionError(f"{where}: lm_head without embed_tokens is not a valid dflash-draft layout")
-    fc = out["dflash_fc.weight"]
-    if fc.shape != (header.n_embd, header.n_target_features):
-        raise ConversionError(f"{where}: fc.weight has shape {list(fc.shape)}, expected "
-                              f"[{header.n_embd}, {header.n_target_features}] (hidden_size x target hidden "
-                              f"size {header.n_target_features // len(header.target_layer_ids)} x "
-                              f"{len(header.target_layer_ids)} target layers)")
+    shapes = expected_shapes(header, n_vocab)
+    for name, array in out.items():
+        if array.shape != shapes[name]:
+            raise ConversionError(f"{where}: {name} has shape {list(array.shape)}, expected {list(shapes[name])}"
+                                  + _fc_hint(header) * (name == "dflash_fc.weight"))
+        if array.dtype.kind != "f":
+            raise ConversionError(f"{where}: {name} holds integers ({array.dtype}), expected floats")
     return out
+
+
+def _fc_hint(header: DraftHeader) -> str:
+    return (f" (hidden_size x target hidden size {header.n_target_features // len(header.target_layer_ids)} x "
+            f"{len(header.target_layer_ids)} target layers)")
 
 
 def encode_tensor(array: np.ndarray, outtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
@@ -366,6 +491,44 @@ def add_tokenizer_fields(writer: gguf.GGUFWriter, tokenizer: Mapping[str, Any]) 
             writer.add_array(key, list(value))
 
 
+def _check_outfile(outfile: Path, inputs: Iterable[Path]) -> None:
+    """The output must not replace what the conversion reads."""
+    for path in inputs:
+        if path.exists() and outfile.exists() and os.path.samefile(outfile, path):
+            raise ConversionError(f"--outfile {outfile} is one of the inputs ({path}); choose another path")
+    if outfile.is_dir():
+        raise ConversionError(f"--outfile {outfile} is a folder; give a file path")
+    if not outfile.parent.is_dir():
+        raise ConversionError(f"--outfile {outfile}: folder {outfile.parent} does not exist")
+
+
+def _write_gguf(outfile: Path, name: str, header: DraftHeader, outtype: str, tokenizer: Mapping[str, Any],
+                tensors: Mapping[str, np.ndarray], log) -> None:
+    """Written beside outfile under a temporary name and renamed into place, so an interrupted
+    conversion never leaves a truncated draft (or a half-overwritten old one) at outfile."""
+    fd, partial = tempfile.mkstemp(prefix=f".{outfile.name}.", suffix=".partial", dir=outfile.parent)
+    os.close(fd)
+    writer = gguf.GGUFWriter(partial, ARCH)
+    try:
+        writer.add_string("general.name", name)
+        write_header(writer, header, outtype)
+        add_tokenizer_fields(writer, tokenizer)
+        writer.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
+        for i, (tensor_name, array) in enumerate(tensors.items(), 1):
+            data, qtype = encode_tensor(array, outtype)
+            writer.add_tensor(tensor_name, data, raw_dtype=qtype)
+            log(f"[{i}/{len(tensors)}] {tensor_name:36s} {str(list(array.shape)):16s} {qtype.name}")
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    except BaseException:
+        writer.close()
+        os.unlink(partial)
+        raise
+    writer.close()
+    os.replace(partial, outfile)
+
+
 def convert(draft_dir: Path, target: Path, *, outtype: str = "f16", outfile: Path | None = None,
             log=lambda msg: print(msg, file=sys.stderr)) -> Path:
     """Convert; returns the path written. Raises ConversionError with the reason."""
@@ -374,28 +537,17 @@ def convert(draft_dir: Path, target: Path, *, outtype: str = "f16", outfile: Pat
         raise ConversionError(f"unknown outtype '{outtype}' (choose from {', '.join(OUTTYPES)})")
     if not draft_dir.is_dir():
         raise ConversionError(f"draft folder {draft_dir} does not exist")
+    outfile = Path(outfile) if outfile else draft_dir / f"{draft_dir.name}-{outtype.upper()}.gguf"
+    inputs = [target, *draft_dir.glob("*.json"), *draft_dir.glob("*.safetensors")]
+    _check_outfile(outfile, inputs + ([*target.glob("*")] if target.is_dir() else []))
     try:
         config = read_config(draft_dir)
         target_info = read_target(target)
         header = read_draft_header(config, target_info, f"{draft_dir}/config.json")
-        tensors = map_tensors(read_tensors(draft_dir), header, str(draft_dir))
+        tensors = map_tensors(read_tensors(draft_dir), header, target_info.n_vocab, str(draft_dir))
     except CheckpointError as e:
         raise ConversionError(str(e)) from None
-    outfile = Path(outfile) if outfile else draft_dir / f"{draft_dir.name}-{outtype.upper()}.gguf"
-
-    writer = gguf.GGUFWriter(str(outfile), ARCH)
-    writer.add_string("general.name", draft_dir.name)
-    write_header(writer, header, outtype)
-    add_tokenizer_fields(writer, target_info.tokenizer)
-    writer.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
-    for i, (name, array) in enumerate(tensors.items(), 1):
-        data, qtype = encode_tensor(array, outtype)
-        writer.add_tensor(name, data, raw_dtype=qtype)
-        log(f"[{i}/{len(tensors)}] {name:36s} {str(list(array.shape)):16s} {qtype.name}")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write_gguf(outfile, draft_dir.name, header, outtype, target_info.tokenizer, tensors, log)
     sliding = sum(header.sliding_pattern)
     log(f"wrote {outfile}: {header.n_layer} layers ({sliding} sliding, window {header.sliding_window}), "
         f"block {header.block_size}, target layers {header.target_layer_ids}")

@@ -7,8 +7,9 @@ generator writes tiny checkpoints through it, so both sides agree on one reading
 from __future__ import annotations
 
 import json
+import math
 import struct
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
 import numpy as np
@@ -27,54 +28,110 @@ class CheckpointError(ValueError):
     """A checkpoint folder is missing something or holds something we cannot read."""
 
 
+# The safetensors format caps its JSON header at 100 MB; a larger claim is a corrupt file.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file whose top level must be an object; any other content is a CheckpointError."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
+
+
 def read_config(folder: Path) -> dict[str, Any]:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: not found (is {folder} a Hugging Face checkpoint folder?)")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON: {e}") from None
+    return read_json_object(path)
+
+
+def _shard_path(folder: Path, index: Path, name: Any) -> Path:
+    """A shard named by the index: a relative path inside the folder to a regular file (the
+    index comes from whoever published the checkpoint; "/dev/zero" or "../x" are refused).
+    Symlinks are followed, as the Hugging Face cache links snapshots to its blobs."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{index}: shard name {name!r} is not a file name")
+    parts = PurePosixPath(name).parts
+    if PurePosixPath(name).is_absolute() or "\\" in name or ".." in parts:
+        raise CheckpointError(f"{index}: shard {name!r} is not a path inside the checkpoint folder")
+    path = folder / name
+    if not path.is_file():
+        raise CheckpointError(f"{index}: shard {name!r} is not a file in {folder}")
+    return path
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / s for s in shards]
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: 'weight_map' must be a non-empty object of tensor -> shard")
+        return [_shard_path(folder, index, s) for s in sorted(set(map(str, weight_map.values())))]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder}: no *.safetensors weights found")
     return files
 
 
+def _tensor_entry(path: Path, name: str, info: Any, n_data: int) -> tuple[np.dtype, list[int], int, int]:
+    """One header entry checked against the format: dtype, shape and a byte range that lies in
+    the file and holds exactly shape x dtype bytes."""
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path}: tensor {name}: header entry is not an object")
+    dtype = _DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+    if dtype is None:
+        raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info.get('dtype')!r}")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise CheckpointError(f"{path}: tensor {name} has an invalid shape {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(n) is int for n in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise CheckpointError(f"{path}: tensor {name} has invalid data_offsets {offsets!r}")
+    begin, end = offsets
+    if end > n_data:
+        raise CheckpointError(f"{path}: tensor {name} runs past the end of the file")
+    expected = math.prod(shape) * dtype.itemsize
+    if end - begin != expected:
+        raise CheckpointError(f"{path}: tensor {name} holds {end - begin} bytes, but shape {shape} of "
+                              f"{info['dtype']} needs {expected}")
+    return dtype, shape, begin, end
+
+
 def read_tensors(folder: Path) -> dict[str, np.ndarray]:
     """Every tensor of the checkpoint as float32 (integers keep their type), by name."""
     tensors: dict[str, np.ndarray] = {}
     for path in _safetensors_files(Path(folder)):
-        raw = path.read_bytes()
-        if len(raw) < 8:
+        size = path.stat().st_size
+        if size < 8:
             raise CheckpointError(f"{path}: truncated safetensors file")
-        (header_len,) = struct.unpack("<Q", raw[:8])
+        # mapped, not read: a checkpoint may be larger than memory, and only its tensors are copied
+        raw = np.memmap(path, dtype=np.uint8, mode="r")
+        (header_len,) = struct.unpack("<Q", raw[:8].tobytes())
+        if header_len > min(MAX_HEADER_BYTES, size - 8):
+            raise CheckpointError(f"{path}: header length {header_len} does not fit the file ({size} bytes)")
         try:
-            header = json.loads(raw[8:8 + header_len])
+            header = json.loads(raw[8:8 + header_len].tobytes())
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise CheckpointError(f"{path}: corrupt safetensors header") from None
-        data = memoryview(raw)[8 + header_len:]
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+        data = raw[8 + header_len:]
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            dtype = _DTYPES.get(info["dtype"])
-            if dtype is None:
-                raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-            begin, end = info["data_offsets"]
-            if end > len(data):
-                raise CheckpointError(f"{path}: tensor {name} runs past the end of the file")
-            array = np.frombuffer(data[begin:end], dtype=dtype).reshape(info["shape"])
+            if name in tensors:
+                raise CheckpointError(f"{path}: tensor {name} appears in more than one shard")
+            dtype, shape, begin, end = _tensor_entry(path, name, info, len(data))
+            array = data[begin:end].view(dtype).reshape(shape)
             if info["dtype"] == "BF16":
                 array = (array.astype(np.uint32) << 16).view(np.float32)
-            elif array.dtype.kind == "f":
-                array = array.astype(np.float32)
+            else:
+                array = array.astype(np.float32 if array.dtype.kind == "f" else array.dtype)
             tensors[name] = array
     return tensors
 
