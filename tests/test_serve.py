@@ -185,6 +185,11 @@ def hub_cache(pair, tmp_path, monkeypatch):
     repos = {"tiny/target-GGUF": {"mmproj-target-Q8_0.gguf": draft, "target-F32.gguf": target,
                                   "target-Q8_0.gguf": target},
              "tiny/draft": {"draft-SWA-F32.gguf": draft},
+             # quants that share words, shards, a draft and a projector beside the target
+             "tiny/many-GGUF": {"m-Q4_K_M.gguf": target, "m-UD-Q4_K_M.gguf": target,
+                                "m-Q8_0-00001-of-00002.gguf": target, "m-Q8_0-00002-of-00002.gguf": target,
+                                "m-DFlash-draft-Q6_K.gguf": draft, "mmproj-m-Q6_K.gguf": draft,
+                                "m-Q6_K.gguf": target},
              # the built-in pair's repositories, as their pages list them, holding the tiny models
              "unsloth/Qwen3.5-35B-A3B-GGUF": {"Qwen3.5-35B-A3B-Q4_K_M.gguf": target},
              "ji-farthing/Qwen3.5-35B-A3B-DFlash-SWA-ik-llama-GGUF": {
@@ -230,6 +235,54 @@ def test_download_errors_offline(hub_cache):
     out = subprocess.run(["ikdflash", "download", "swapped-pair"], capture_output=True, text=True)
     assert out.returncode == 1
     assert "swapped-pair: " in out.stderr and "not a DFlash draft" in out.stderr
+
+
+def download(*refs):
+    return subprocess.run(["ikdflash", "download", *refs], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("ref, expected", [
+    ("tiny/many-GGUF:UD-Q4_K_M", "m-UD-Q4_K_M.gguf"),
+    ("tiny/many-GGUF:q8_0", "m-Q8_0-00001-of-00002.gguf"),      # the first shard
+])
+def test_a_quant_names_exactly_one_model(hub_cache, ref, expected):
+    out = download(ref)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("/" + expected)
+
+
+@pytest.mark.parametrize("ref, message", [
+    # before, these picked whichever file sorted first
+    ("tiny/many-GGUF:Q4_K_M", "quant Q4_K_M matches 2 models (m-Q4_K_M.gguf, m-UD-Q4_K_M.gguf)"),
+    ("tiny/many-GGUF:Q6_K", "quant Q6_K matches 2 models (m-DFlash-draft-Q6_K.gguf, m-Q6_K.gguf)"),
+    ("tiny/many-GGUF:Q4", "no GGUF for quant Q4 (the repository has: m-DFlash-draft-Q6_K.gguf, m-Q4_K_M.gguf"),
+    ("tiny/many-GGUF:Q8_0@../../etc", "revision '../../etc' is not a branch, tag or commit name"),
+])
+def test_an_ambiguous_or_unknown_quant_says_what_the_repository_has(hub_cache, ref, message):
+    out = download(ref)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_a_target_quant_skips_drafts_and_projectors(hub_cache):
+    out = serve("--target", "tiny/many-GGUF:Q6_K", "--draft", "tiny/draft/draft-SWA-F32.gguf", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert "/m-Q6_K.gguf" in out.stdout and "m-DFlash-draft-Q6_K" not in out.stdout
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1, 2]", "expected a JSON object"),
+    ('{"p": {"target": "a.gguf"}}', "entry 'p' must be {\"target\": REF, \"draft\": REF}"),
+    ('{"p": "a.gguf"}', "entry 'p' must be"),
+    ('{"smollm2-135m-swa": {"target": "a.gguf", "draft": "b.gguf"}}', "'smollm2-135m-swa' is a built-in pair"),
+    ("{", "cannot read it"),
+])
+def test_a_bad_registry_is_refused_with_its_reason(hub_cache, tmp_path, monkeypatch, content, message):
+    """Before: a traceback (a list or a string entry), or a built-in silently replaced."""
+    registry = tmp_path / "bad-registry.json"
+    registry.write_text(content)
+    monkeypatch.setenv("IKDFLASH_REGISTRY", str(registry))
+    out = download("tiny-pair")
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 def test_the_built_in_pair_resolves_and_is_checked(hub_cache, monkeypatch):

