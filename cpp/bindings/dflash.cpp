@@ -20,14 +20,11 @@ namespace {
 class Draft {
 public:
     Draft(Model & target, const std::string & path, int n_threads, int n_gpu_layers)
-        : path_(path), n_vocab_(target.n_vocab()) {
+        : target_(target), path_(path), n_vocab_(target.n_vocab()) {
         dflash_draft_params params = dflash_draft_default_params();
         params.n_threads = n_threads > 0 ? n_threads : default_threads();
         params.n_gpu_layers = n_gpu_layers;
-        {
-            py::gil_scoped_release release;
-            draft_ = dflash_draft_load(path.c_str(), target.raw_model(), params);
-        }
+        draft_ = target.exclusive([&] { return dflash_draft_load(path.c_str(), target.raw_model(), params); });
         if (draft_ == nullptr) {
             const std::string reason = dflash_last_error();
             if (reason.find("file not found") != std::string::npos) {
@@ -36,13 +33,32 @@ public:
             }
             throw py::value_error(reason);
         }
+        target_.acquire();
     }
 
-    ~Draft() { close(); }
+    ~Draft() {
+        auto lock = target_.lock_busy();
+        free_native();
+    }
 
     void close() {
-        dflash_draft_free(draft_);
-        draft_ = nullptr;
+        if (users_ > 0) {
+            throw std::runtime_error(path_ + ": cannot close the draft while " + std::to_string(users_) +
+                                     " CrossContext/Engine object(s) use it: close those first");
+        }
+        auto lock = target_.lock_busy();
+        free_native();
+    }
+
+    // As Model: cross-contexts and engines count themselves while they use this draft.
+    void acquire() { ++users_; }
+    void release() { --users_; }
+
+    // Work on the draft shares its target's lock (see Model::exclusive).
+    template <class Work>
+    auto exclusive(Work && work) -> decltype(work()) {
+        open();
+        return target_.exclusive(std::forward<Work>(work));
     }
 
     using f32_array = py::array_t<float, py::array::c_style | py::array::forcecast>;
@@ -95,8 +111,7 @@ public:
 
     // Capacity and size of a cross-context for this draft, without filling it.
     py::dict cache_layout(int cross_ctx, bool full_attention) {
-        open();
-        dflash_cache * cache = dflash_cache_init(draft_, cross_ctx, full_attention);
+        dflash_cache * cache = exclusive([&] { return dflash_cache_init(draft_, cross_ctx, full_attention); });
         if (cache == nullptr) {
             throw py::value_error(dflash_last_error());
         }
@@ -107,7 +122,7 @@ public:
         py::dict out;
         out["capacity"] = capacity;
         out["bytes"] = dflash_cache_size_bytes(cache);
-        dflash_cache_free(cache);
+        exclusive([&] { dflash_cache_free(cache); });
         return out;
     }
 
@@ -117,6 +132,7 @@ public:
     }
     const std::string & path() const { return path_; }
     int n_vocab() const { return n_vocab_; }
+    Model & target() const { return target_; }
 
 private:
     void open() const {
@@ -125,9 +141,19 @@ private:
         }
     }
 
+    void free_native() {
+        if (draft_ != nullptr) {
+            dflash_draft_free(draft_);
+            draft_ = nullptr;
+            target_.release();
+        }
+    }
+
+    Model & target_;   // kept alive by the binding (keep_alive), kept open by acquire()
     std::string path_;
     dflash_draft * draft_ = nullptr;
     int n_vocab_ = 0;
+    int users_ = 0;
 };
 
 // _core.CrossContext: one sequence's cross-context for a draft, driven by hand (append, truncate,
@@ -135,38 +161,49 @@ private:
 class CrossContext {
 public:
     CrossContext(Draft & draft, int cross_ctx, bool full_attention) : draft_(draft) {
-        cache_ = dflash_cache_init(draft.raw(), cross_ctx, full_attention);
+        cache_ = draft.exclusive([&] { return dflash_cache_init(draft.raw(), cross_ctx, full_attention); });
         if (cache_ == nullptr) {
             throw py::value_error(dflash_last_error());
         }
+        draft_.acquire();
     }
-    ~CrossContext() { dflash_cache_free(cache_); }
+    ~CrossContext() {
+        auto lock = draft_.target().lock_busy();
+        dflash_cache_free(cache_);
+        draft_.release();
+    }
     CrossContext(const CrossContext &) = delete;
     CrossContext & operator=(const CrossContext &) = delete;
 
     void append(const Draft::f32_array & features, const Draft::i32_array & positions) {
         const int n = draft_.check_rows(features, positions);
-        int rc = 0;
-        {
-            py::gil_scoped_release release;
-            rc = dflash_cache_append(draft_.raw(), cache_, features.data(), positions.data(), n);
-        }
-        check(rc);
+        check(draft_.exclusive([&] {
+            return dflash_cache_append(draft_.raw(), cache_, features.data(), positions.data(), n);
+        }));
     }
 
-    void truncate(int pos) { dflash_cache_truncate(cache_, pos); }
+    void truncate(int pos) {
+        draft_.exclusive([&] { dflash_cache_truncate(cache_, pos); });
+    }
 
-    void shift(int p0, int p1, int delta) { check(dflash_cache_shift(cache_, p0, p1, delta)); }
+    void shift(int p0, int p1, int delta) {
+        check(draft_.exclusive([&] { return dflash_cache_shift(cache_, p0, p1, delta); }));
+    }
 
-    py::bytes state() const {
-        std::string bytes(dflash_cache_state_size(cache_), '\0');
-        dflash_cache_state_get(cache_, (uint8_t *) bytes.data(), bytes.size());
+    py::bytes state() {
+        std::string bytes;
+        draft_.exclusive([&] {
+            bytes.resize(dflash_cache_state_size(cache_));
+            dflash_cache_state_get(cache_, (uint8_t *) bytes.data(), bytes.size());
+        });
         return py::bytes(bytes);
     }
 
     void set_state(const py::bytes & state) {
         const std::string bytes = state;
-        check(dflash_cache_state_set(cache_, (const uint8_t *) bytes.data(), bytes.size()));
+        check(draft_.exclusive([&] {
+            return dflash_cache_state_set(cache_, (const uint8_t *) bytes.data(), bytes.size());
+        }));
     }
 
     // Rows held per layer (before a pending rebuild, fewer than the history holds).
@@ -185,12 +222,8 @@ public:
         const int block = dflash_draft_block_size(d);
         py::array_t<float> logits({block, draft_.n_vocab()});
         std::vector<llama_token> tokens(block - 1);
-        int rc = 0;
-        {
-            py::gil_scoped_release release;
-            rc = dflash_draft_step(d, cache_, first_token, start, logits.mutable_data(), tokens.data());
-        }
-        check(rc);
+        float * out = logits.mutable_data();
+        check(draft_.exclusive([&] { return dflash_draft_step(d, cache_, first_token, start, out, tokens.data()); }));
         return py::make_tuple(logits, tokens);
     }
 
@@ -227,15 +260,32 @@ py::tuple Draft::forward(f32_array features, i32_array positions, int first_toke
 
 class Engine {
 public:
-    Engine(Model & target, Draft * draft, int cross_ctx, bool full_attention) : target_(target) {
+    Engine(Model & target, Draft * draft, int cross_ctx, bool full_attention) : target_(target), draft_(draft) {
         dflash_engine_params params{cross_ctx, full_attention};
-        engine_ = dflash_engine_init(target.raw_context(), draft ? draft->raw() : nullptr, params);
+        if (draft != nullptr) {
+            draft->raw();  // raises if it is closed
+        }
+        engine_ = target.exclusive([&] {
+            return dflash_engine_init(target.raw_context(), draft ? draft->raw() : nullptr, params);
+        });
         if (engine_ == nullptr) {
             throw py::value_error(dflash_last_error());
         }
+        target_.acquire();
+        if (draft_ != nullptr) {
+            draft_->acquire();
+        }
     }
 
-    ~Engine() { dflash_engine_free(engine_); }
+    ~Engine() {
+        auto lock = target_.lock_busy();
+        free_native();
+    }
+
+    void close() {
+        auto lock = target_.lock_busy();
+        free_native();
+    }
 
     py::tuple generate(const std::vector<llama_token> & prompt, int max_tokens, int n_max, float temperature,
                        uint32_t seed) {
@@ -246,12 +296,13 @@ public:
         std::vector<llama_token> out(max_tokens);
         std::vector<int32_t> step_lengths(max_tokens);
         dflash_stats stats{};
-        int n = 0;
-        {
-            py::gil_scoped_release release;
-            n = dflash_engine_generate(engine_, prompt.data(), (int) prompt.size(), max_tokens, n_max, temperature,
-                                       seed, out.data(), &stats, step_lengths.data());
+        if (engine_ == nullptr) {
+            throw std::runtime_error("the engine is closed");
         }
+        const int n = target_.exclusive([&] {
+            return dflash_engine_generate(engine_, prompt.data(), (int) prompt.size(), max_tokens, n_max, temperature,
+                                          seed, out.data(), &stats, step_lengths.data());
+        });
         if (n < 0) {
             throw py::value_error(dflash_last_error());
         }
@@ -271,7 +322,19 @@ public:
     }
 
 private:
+    void free_native() {
+        if (engine_ != nullptr) {
+            dflash_engine_free(engine_);
+            engine_ = nullptr;
+            target_.release();
+            if (draft_ != nullptr) {
+                draft_->release();
+            }
+        }
+    }
+
     Model & target_;
+    Draft * draft_;
     dflash_engine * engine_ = nullptr;
 };
 
@@ -297,8 +360,8 @@ py::array_t<float> attention_mask(std::vector<int32_t> key_positions, int start,
 // cleared first), and the target's greedy next token at each position: the training data of a
 // draft, from the same capture the speculative loop uses.
 py::tuple layer_features(Model & model, const std::vector<llama_token> & tokens, const std::vector<int32_t> & layer_ids) {
-    llama_context * ctx = model.raw_context();
     model.check_tokens(tokens);
+    llama_context * ctx = model.raw_context();
     const int n = (int) tokens.size();
     if (n == 0) {
         throw py::value_error("tokens is empty: give at least one token");
@@ -310,20 +373,19 @@ py::tuple layer_features(Model & model, const std::vector<llama_token> & tokens,
     if (layer_ids.empty()) {
         throw py::value_error("layer_ids is empty: name at least one target layer");
     }
-    std::unique_ptr<dflash_capture, decltype(&dflash_capture_free)> capture(
-        dflash_capture_init_layers(ctx, layer_ids.data(), (int) layer_ids.size()), &dflash_capture_free);
-    if (!capture) {
-        throw py::value_error(dflash_last_error());
-    }
     const int width = (int) layer_ids.size() * model.n_embd();
     const int n_vocab = model.n_vocab();
     py::array_t<float> features({n, width});
     py::array_t<int32_t> greedy(n);
     float * feat = features.mutable_data();
     int32_t * next = greedy.mutable_data();
-    std::string error;
-    {
-        py::gil_scoped_release release;
+    const std::string error = model.exclusive([&]() -> std::string {
+        std::unique_ptr<dflash_capture, decltype(&dflash_capture_free)> capture(
+            dflash_capture_init_layers(ctx, layer_ids.data(), (int) layer_ids.size()), &dflash_capture_free);
+        if (!capture) {
+            throw py::value_error(dflash_last_error());  // carried out of the GIL-free region by value
+        }
+        std::string error;
         const int n_batch = (int) llama_n_batch(ctx);
         llama_batch batch = llama_batch_init(n_batch, 0, 1);
         llama_kv_cache_clear(ctx);
@@ -354,7 +416,8 @@ py::tuple layer_features(Model & model, const std::vector<llama_token> & tokens,
         }
         llama_batch_free(batch);
         llama_kv_cache_clear(ctx);
-    }
+        return error;
+    });
     if (!error.empty()) {
         throw std::runtime_error(model.path() + ": " + error);
     }
@@ -384,6 +447,7 @@ void bind_dflash(py::module_ & m) {
     py::class_<Engine>(m, "Engine")
         .def(py::init<Model &, Draft *, int, bool>(), py::arg("target"), py::arg("draft"), py::arg("cross_ctx"),
              py::arg("full_attention") = false, py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+        .def("close", &Engine::close)
         .def("generate", &Engine::generate, py::arg("prompt"), py::arg("max_tokens"), py::arg("n_max"),
              py::arg("temperature") = 0.0f, py::arg("seed") = 0);
     m.def("attention_mask", &attention_mask, py::arg("key_positions"), py::arg("start"), py::arg("n_query"),

@@ -113,17 +113,44 @@ public:
         }
     }
 
-    ~Model() { close(); }
+    ~Model() {
+        auto lock = lock_busy();
+        free_native();
+    }
 
     void close() {
-        if (ctx_ != nullptr) {
-            llama_free(ctx_);
-            ctx_ = nullptr;
+        if (users_ > 0) {
+            throw std::runtime_error(path_ + ": cannot close the model while " + std::to_string(users_) +
+                                     " Draft/Engine object(s) use it: close those first");
         }
-        if (model_ != nullptr) {
-            llama_free_model(model_);
-            model_ = nullptr;
+        auto lock = lock_busy();
+        free_native();
+    }
+
+    // Drafts and engines borrow the model's tensors and context: each counts itself here for its
+    // lifetime, and close() refuses while any is open.
+    void acquire() { ++users_; }
+    void release() { --users_; }
+
+    // Native work on the context, or on a draft built on this model, runs here: with the GIL
+    // released and the model's lock held, so calls from several Python threads take turns
+    // instead of sharing a context that is not thread-safe.
+    template <class Work>
+    auto exclusive(Work && work) -> decltype(work()) {
+        py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(busy_);
+        ensure_open();
+        return work();
+    }
+
+    // The lock, taken with the GIL held: released only while another thread's work finishes.
+    std::unique_lock<std::mutex> lock_busy() {
+        std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
+        if (!lock.owns_lock()) {
+            py::gil_scoped_release release;
+            lock.lock();
         }
+        return lock;
     }
 
     std::vector<llama_token> tokenize(const std::string & text, bool add_special, bool parse_special) const {
@@ -166,11 +193,7 @@ public:
                                   std::to_string(n_ctx));
         }
         std::vector<llama_token> out;
-        std::string error;
-        {
-            py::gil_scoped_release release;
-            error = run_greedy(prompt, max_tokens, stop_at_eog, out);
-        }
+        const std::string error = exclusive([&] { return run_greedy(prompt, max_tokens, stop_at_eog, out); });
         if (!error.empty()) {
             throw std::runtime_error(path_ + ": " + error);
         }
@@ -233,8 +256,20 @@ private:
         }
     }
 
+    void free_native() {
+        if (ctx_ != nullptr) {
+            llama_free(ctx_);
+            ctx_ = nullptr;
+        }
+        if (model_ != nullptr) {
+            llama_free_model(model_);
+            model_ = nullptr;
+        }
+    }
+
 public:
     void check_tokens(const std::vector<llama_token> & tokens) const {
+        ensure_open();
         const int n_vocab = llama_n_vocab(model_);
         for (size_t i = 0; i < tokens.size(); ++i) {
             if (tokens[i] < 0 || tokens[i] >= n_vocab) {
@@ -258,6 +293,8 @@ private:
     std::string path_;
     llama_model * model_ = nullptr;
     llama_context * ctx_ = nullptr;
+    int users_ = 0;     // changed with the GIL held
+    std::mutex busy_;   // held while native code works on ctx_ or a draft of this model
 };
 
 }  // namespace ikdflash

@@ -396,6 +396,9 @@ dflash_engine * dflash_engine_init(llama_context * target, dflash_draft * draft,
                 fail("%s", dflash_last_error());
             }
             e->capture.reset(dflash_capture_init(target, draft));
+            if (e->capture == nullptr) {
+                fail("%s", dflash_last_error());
+            }
         }
         return e.release();
     }, (dflash_engine *) nullptr);
@@ -433,6 +436,13 @@ dflash_capture * dflash_capture_init_layers(llama_context * ctx, const int32_t *
                                       std::to_string(n_target_layers) + " layers; the last is not captured)";
             return nullptr;
         }
+    }
+    // A second capture would chain behind the first, and freeing them out of order would
+    // reinstall a freed one: one per context.
+    if (ctx->cparams.cb_eval == dflash_capture::callback) {
+        dflash_impl::last_error = "this target context already has a DFlash capture (an engine or a feature "
+                                  "capture is using it): free that first, or use another context";
+        return nullptr;
     }
     auto c = std::make_unique<dflash_capture>();
     c->ctx = ctx;

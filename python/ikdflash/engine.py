@@ -78,13 +78,14 @@ class Engine:
             raise ValueError(f"cross_ctx must be at least 1, got {cross_ctx}")
         self.target = Model(target, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
                             n_gpu_layers=n_gpu_layers, verbose=verbose)
+        self.draft = self._native = None
         try:
-            self.draft = (_core.Draft(self.target._native, os.fspath(draft), n_threads or 0, n_gpu_layers_draft)
-                          if draft else None)
+            if draft:
+                self.draft = _core.Draft(self.target._native, os.fspath(draft), n_threads or 0, n_gpu_layers_draft)
             self.cross_ctx = cross_ctx or n_ctx
             self._native = _core.Engine(self.target._native, self.draft, self.cross_ctx, full_attention)
         except BaseException:
-            self.target.close()
+            self.close()
             raise
 
     @classmethod
@@ -97,7 +98,9 @@ class Engine:
         return cls(target, draft, **kwargs)
 
     def close(self) -> None:
-        self._native = None
+        if self._native is not None:
+            self._native.close()
+            self._native = None
         if self.draft is not None:
             self.draft.close()
         self.target.close()
