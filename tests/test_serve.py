@@ -316,3 +316,26 @@ def test_bench_takes_a_pair(hub_cache):
     assert "window 8" in out.stdout
     out = subprocess.run(["ikdflash", "bench", "--draft", "d.gguf", "--lengths", "16"], capture_output=True, text=True)
     assert out.returncode == 2 and "give --target and --draft together, or --pair" in out.stderr
+
+
+def test_serve_keeps_the_api_key_off_the_command_line(pair, tmp_path, monkeypatch):
+    target, draft = pair
+    monkeypatch.setenv("IKDFLASH_API_KEY", "env-key-0123")
+    out = serve("--target", str(target), "--draft", str(draft), "--host", "0.0.0.0", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert "env-key-0123" not in out.stdout + out.stderr and "--api-key-file" in out.stdout
+    assert "without an API key" not in out.stderr
+    monkeypatch.delenv("IKDFLASH_API_KEY")
+    out = serve("--target", str(target), "--draft", str(draft), "--host", "0.0.0.0", "--dry-run")
+    assert "warning: serving on 0.0.0.0 without an API key" in out.stderr
+    keys = tmp_path / "keys"
+    keys.write_text("file-key-4567\n")
+    out = serve("--target", str(target), "--draft", str(draft), "--host", "0.0.0.0", "--api-key-file", str(keys),
+                "--dry-run")
+    assert out.returncode == 0 and "without an API key" not in out.stderr
+    assert f"--api-key-file {keys}" in out.stdout and "file-key-4567" not in out.stdout
+    keys.write_text("\n")
+    out = serve("--target", str(target), "--draft", str(draft), "--api-key-file", str(keys), "--dry-run")
+    assert out.returncode == 2 and "the file holds no key" in out.stderr
+    out = serve("--target", str(target), "--draft", str(draft), "--api-key-file", str(tmp_path / "none"), "--dry-run")
+    assert out.returncode == 2 and "cannot read it" in out.stderr

@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -93,3 +94,24 @@ def test_the_server_ends_when_its_python_parent_is_killed(tiny_model):
         assert not os.path.exists(f"/proc/{pid}"), "llama-server outlived its parent"
         with socket.socket() as probe:
             assert probe.connect_ex(("127.0.0.1", port)) != 0, "something still listens on the port"
+
+
+def test_an_api_key_never_reaches_the_command_line(tiny_model, tmp_path, monkeypatch):
+    """Before: `--api-key K` sat in /proc/PID/cmdline, readable by every user, and the client
+    could not send a key at all."""
+    monkeypatch.delenv("IKDFLASH_API_KEY", raising=False)
+    server = Server(tiny_model("llama"), ctx_size=256, n_threads=1, api_key="first-key-0123",
+                    extra_args=["--api-key", "second-key-4567"])
+    with server as url:
+        cmdline = Path(f"/proc/{server.process.pid}/cmdline").read_bytes().decode()
+        assert "key-0123" not in cmdline and "key-4567" not in cmdline and "--api-key-file" in cmdline
+        key_file = cmdline.split("\0")[cmdline.split("\0").index("--api-key-file") + 1]
+        assert not os.path.exists(key_file)  # removed once the server had read it
+        with pytest.raises(ServerError, match="HTTP 401"):
+            complete(url, "hello", max_tokens=2)
+        for key in ("first-key-0123", "second-key-4567"):
+            assert complete(url, "hello", max_tokens=2, api_key=key).raw["tokens_predicted"] == 2
+        monkeypatch.setenv("IKDFLASH_API_KEY", "first-key-0123")
+        assert complete(url, "hello", max_tokens=2).raw["tokens_predicted"] == 2
+    with pytest.raises(ValueError, match="one non-blank line"):
+        Server(tiny_model("llama"), api_key="two\nlines")

@@ -1,8 +1,13 @@
-"""A small client for llama-server's native /completion endpoint."""
+"""A small client for llama-server's native /completion endpoint.
+
+A server started with an API key (see `ikdflash serve`) wants it with every request: pass
+``api_key=``, or set IKDFLASH_API_KEY, which every call here uses when no key is given.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -21,9 +26,12 @@ class Completion:
     raw: dict[str, Any] = field(default_factory=dict)
 
 
-def post_json(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+def post_json(url: str, body: dict[str, Any], timeout: float = 300.0, api_key: str | None = None) -> dict[str, Any]:
+    headers = {"Content-Type": "application/json"}
+    api_key = api_key or os.environ.get("IKDFLASH_API_KEY")
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
@@ -31,14 +39,16 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[st
         raise ServerError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')}") from None
 
 
-def post_json_concurrently(url: str, bodies: Sequence[dict[str, Any]], timeout: float = 300.0) -> list[dict[str, Any]]:
+def post_json_concurrently(url: str, bodies: Sequence[dict[str, Any]], timeout: float = 300.0,
+                           api_key: str | None = None) -> list[dict[str, Any]]:
     """POST every body to url at the same time (one thread each); the replies, in order."""
     with ThreadPoolExecutor(max_workers=max(1, len(bodies))) as pool:
-        return list(pool.map(lambda body: post_json(url, body, timeout), bodies))
+        return list(pool.map(lambda body: post_json(url, body, timeout, api_key), bodies))
 
 
 def complete(base_url: str, prompt: str | Sequence[int], *, max_tokens: int = 64, temperature: float = 0.0,
-             seed: int | None = None, pieces: bool = False, **extra: Any) -> Completion:
+             seed: int | None = None, pieces: bool = False, api_key: str | None = None,
+             **extra: Any) -> Completion:
     """POST /completion. ``prompt`` is text or token ids; ``extra`` goes into the request body."""
     body: dict[str, Any] = {"prompt": prompt if isinstance(prompt, str) else list(prompt),
                             "n_predict": max_tokens, "temperature": temperature, "cache_prompt": False, **extra}
@@ -47,7 +57,7 @@ def complete(base_url: str, prompt: str | Sequence[int], *, max_tokens: int = 64
     if pieces:
         # The server reports per-token text only through its probabilities output.
         body["n_probs"] = 1
-    reply = post_json(base_url.rstrip("/") + "/completion", body)
+    reply = post_json(base_url.rstrip("/") + "/completion", body, api_key=api_key)
     token_pieces = [entry["content"] if "content" in entry else entry.get("tok_str", "")
                     for entry in reply.get("completion_probabilities", [])]
     return Completion(text=reply.get("content", ""), pieces=token_pieces, timings=reply.get("timings", {}), raw=reply)

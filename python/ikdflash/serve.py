@@ -7,17 +7,21 @@
     ikdflash serve --target owner/repo:Q4_K_M --draft owner/repo/draft.gguf   # hub references
     ikdflash serve --pair qwen3.5-35b-a3b-swa                           # a known pair (download)
     ikdflash serve --target T.gguf --draft D.gguf -- --metrics -fa on  # more llama-server flags
+    IKDFLASH_API_KEY=... ikdflash serve --host 0.0.0.0                 # clients send the key
 
 Before starting it checks that both files are GGUFs and that the draft matches the target, and
 warns when the draft's sliding window can never engage. It prints the exact command, waits for
 /health, streams the server's log (or writes it to --log-file), forwards Ctrl-C and SIGTERM,
-and never leaves the server behind. Exit codes: 0 after a requested stop, 1 if the server
+and never leaves the server behind. An API key (IKDFLASH_API_KEY, --api-key-file, or
+`-- --api-key K`) reaches the server through a file, never its command line; serving on a
+non-loopback address without one gets a warning. Exit codes: 0 after a requested stop, 1 if the server
 failed, 2 for bad input.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import signal
 import sys
@@ -26,7 +30,7 @@ from pathlib import Path
 
 from ikdflash.hub import HubError, add_model_arguments, resolve_models
 from ikdflash.pair import check_pair
-from ikdflash.server import Server, ServerError, free_port
+from ikdflash.server import Server, ServerError, free_port, is_loopback
 from ikdflash.spectype import SpecType, SpecTypeError
 
 
@@ -41,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draft placement (-ngld): default follows the target's output layer, "
                              "0 keeps it on the CPU")
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--api-key-file", type=Path,
+                        help="file with the API key(s) clients must send, one per line "
+                             "(or set IKDFLASH_API_KEY; /health stays open)")
     parser.add_argument("--port", type=int, default=8080, help="port, or 0 for a free one (default 8080)")
     parser.add_argument("--log-file", type=Path, help="write the server's log here instead of stdout")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
@@ -59,6 +66,9 @@ def build_server(args: argparse.Namespace) -> Server:
         extra += ["-ngl", str(args.gpu_layers)]
     if args.gpu_layers_draft is not None:
         extra += ["-ngld", str(args.gpu_layers_draft)]
+    if args.api_key_file is not None:
+        _check_key_file(args.api_key_file)
+        extra += ["--api-key-file", str(args.api_key_file)]
     extra += [a for a in args.extra if a != "--"]
     last_report = [0.0]
 
@@ -69,7 +79,17 @@ def build_server(args: argparse.Namespace) -> Server:
 
     return Server(args.target, ctx_size=args.ctx_size, host=args.host, port=args.port, extra_args=extra,
                   log_file=args.log_file, log_to_stdout=args.log_file is None,
-                  startup_timeout=args.startup_timeout, on_wait=progress)
+                  startup_timeout=args.startup_timeout, on_wait=progress,
+                  api_key=os.environ.get("IKDFLASH_API_KEY") or None)
+
+
+def _check_key_file(path: Path) -> None:
+    try:
+        keys = [line for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--api-key-file {path}: cannot read it: {e}") from None
+    if not keys:
+        raise ValueError(f"--api-key-file {path}: the file holds no key (one per line)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for warning in report.warnings:
         say(f"warning: {warning}")
+    if not is_loopback(server.host) and not server.requires_key:
+        say(f"warning: serving on {server.host} without an API key: anyone who can reach the port can use "
+            "the server; set IKDFLASH_API_KEY or --api-key-file")
     if args.dry_run:
         print(shlex.join(server.command()))
         return 0

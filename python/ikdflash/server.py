@@ -12,6 +12,7 @@ process group, waits a grace period, then SIGKILL.
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import os
 import signal
 import socket
@@ -76,6 +77,30 @@ PATH_FLAGS = frozenset({
 })
 
 
+def take_api_keys(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(args without their `--api-key K` / `--api-key=K`, the keys): a key on the command line is
+    visible to every user of the machine in /proc/*/cmdline, so Server moves it into a file."""
+    rest: list[str] = []
+    keys: list[str] = []
+    args = list(args)
+    while args:
+        arg = args.pop(0)
+        if arg == "--api-key" and args:
+            keys.append(args.pop(0))
+        elif arg.startswith("--api-key="):
+            keys.append(arg.partition("=")[2])
+        else:
+            rest.append(arg)
+    return rest, keys
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def absolute_paths(args: Sequence[str]) -> list[str]:
     """args with the values of PATH_FLAGS (as `--flag value` or `--flag=value`) made absolute."""
     out: list[str] = []
@@ -96,13 +121,20 @@ class Server:
                  port: int = 0, n_threads: int | None = None, extra_args: Sequence[str] = (),
                  log_file: str | os.PathLike[str] | None = None, log_to_stdout: bool = False,
                  startup_timeout: float = 120.0, stop_grace: float = 10.0,
-                 on_wait: Callable[[float], None] | None = None, env: Mapping[str, str] | None = None) -> None:
+                 on_wait: Callable[[float], None] | None = None, env: Mapping[str, str] | None = None,
+                 api_key: str | None = None) -> None:
         self.model = Path(model)
         self.host = host
         self.port = port
         self.ctx_size = ctx_size
         self.n_threads = n_threads
-        self.extra_args = list(extra_args)
+        # API keys (api_key, and any --api-key in extra_args) reach the server through a private
+        # file that exists only while it starts: never on its command line.
+        self.extra_args, self.api_keys = take_api_keys(extra_args)
+        self.api_keys = ([api_key] if api_key else []) + self.api_keys
+        if any(not key.strip() or "\n" in key for key in self.api_keys):
+            raise ValueError("an API key must be one non-blank line")
+        self._key_file: Path | None = None
         self.log_file = Path(log_file) if log_file else None
         self.log_to_stdout = log_to_stdout  # the server's log goes to our stdout (when no log_file)
         self.on_wait = on_wait              # called with the seconds waited, while starting
@@ -122,7 +154,13 @@ class Server:
                "--host", self.host, "--port", str(self.port)]
         if self.n_threads:
             cmd += ["-t", str(self.n_threads)]
+        if self.api_keys:
+            cmd += ["--api-key-file", str(self._key_file or "<a private file written at start>")]
         return cmd + absolute_paths(self.extra_args)
+
+    @property
+    def requires_key(self) -> bool:
+        return bool(self.api_keys) or any(a.partition("=")[0] == "--api-key-file" for a in self.extra_args)
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> str:
@@ -140,15 +178,30 @@ class Server:
         # (or in the temp folder), as the server also writes a llama.log where it runs.
         workdir = self.log_file.parent if self.log_file else tempfile.gettempdir()
         output = self._log or (None if self.log_to_stdout else subprocess.DEVNULL)
-        self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=output,
-                                        stderr=subprocess.STDOUT, start_new_session=True, cwd=workdir,
-                                        env={**os.environ, **self.env}, preexec_fn=_end_with(os.getpid()))
         try:
+            self._write_key_file()
+            self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=output,
+                                            stderr=subprocess.STDOUT, start_new_session=True, cwd=workdir,
+                                            env={**os.environ, **self.env}, preexec_fn=_end_with(os.getpid()))
             self._wait_ready()
         except BaseException:
             self.stop()
             raise
+        finally:
+            self._remove_key_file()  # read by the server while it parsed its arguments
         return self.url
+
+    def _write_key_file(self) -> None:
+        if self.api_keys:
+            fd, name = tempfile.mkstemp(prefix="ikdflash-api-key-")  # mode 0600: this user only
+            with os.fdopen(fd, "w") as f:
+                f.write("".join(key + "\n" for key in self.api_keys))
+            self._key_file = Path(name)
+
+    def _remove_key_file(self) -> None:
+        if self._key_file is not None:
+            self._key_file.unlink(missing_ok=True)
+            self._key_file = None
 
     def _wait_ready(self) -> None:
         start = time.monotonic()
