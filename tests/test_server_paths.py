@@ -9,7 +9,10 @@ in the built-in pair's acceptance (benchmarks/server_paths.py)."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import re
+import socket
 
 import pytest
 
@@ -33,12 +36,29 @@ def completion(prompt: str | list[int], n_predict: int, **extra) -> dict:
     return {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "cache_prompt": True, **extra}
 
 
+def cancel_stream(url: str, body: dict, n_events: int) -> None:
+    """A streamed request whose client hangs up after n_events events, as a closed browser tab
+    or a Ctrl-C in a client does."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request("POST", "/completion", json.dumps({**body, "stream": True}),
+                       {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    events = 0
+    while events < n_events:
+        events += response.readline().startswith(b"data: ")
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+
+
 def run(url: str, steps: list) -> list[dict]:
-    """Requests in order; a step ("save"|"restore"|"erase", filename) acts on slot 0 instead, and a
-    list of bodies is sent concurrently."""
+    """Requests in order; a step ("save"|"restore"|"erase", filename) acts on slot 0 instead,
+    ("cancel", body) streams body and hangs up early, and a list of bodies is sent concurrently."""
     replies = []
     for step in steps:
-        if isinstance(step, tuple):
+        if isinstance(step, tuple) and step[0] == "cancel":
+            cancel_stream(url, step[1], n_events=4)
+        elif isinstance(step, tuple):
             action, filename = step
             post_json(f"{url}/slots/0?action={action}", {"filename": filename}, timeout=60)
         elif isinstance(step, list):
@@ -215,13 +235,14 @@ def proposals(log: str) -> dict[int, list[tuple[str, ...]]]:
     return out
 
 
-@pytest.mark.parametrize("path", ["edit", "ram-cache", "slot-restore"])
+@pytest.mark.parametrize("path", ["edit", "ram-cache", "slot-restore", "cancelled-stream"])
 @pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
 def test_the_draft_proposes_what_a_fresh_request_proposes(swa_pairs, tmp_path, arch, path):
     """The output is the target's either way; the draft's context shows in its proposals. After
     an edit of a reply (the window-8 rings have wrapped), a prompt swapped through the RAM cache,
-    or a slot saved and restored, the last request's proposals equal those of a fresh server given
-    the same tokens (before, the draft lost its rows or kept another conversation's)."""
+    or a slot saved and restored, or a streamed reply whose client hung up mid-generation, the
+    last request's proposals equal those of a fresh server given the same tokens (before, the
+    draft lost its rows or kept another conversation's)."""
     target, draft = swa_pairs[arch]
     with Model(target, n_ctx=1024) as model:
         first = model.tokenize(STORY * 3)
@@ -231,7 +252,10 @@ def test_the_draft_proposes_what_a_fresh_request_proposes(swa_pairs, tmp_path, a
     saved = tmp_path / "slots"
     saved.mkdir()
     args = ["--slot-save-path", str(saved), "--cache-ram", "0"] if path == "slot-restore" else []
-    steps = [completion(first, 40, ignore_eos=True)]
+    # the cancelled reply runs on past the 24 tokens the last request keeps (600 asked, hung up
+    # after 4 events), so that request reuses a prefix of it
+    steps = [("cancel", completion(first, 600, ignore_eos=True)) if path == "cancelled-stream"
+             else completion(first, 40, ignore_eos=True)]
     if path == "ram-cache":
         steps += [completion(other, 8, ignore_eos=True)]
     if path == "slot-restore":
@@ -240,6 +264,8 @@ def test_the_draft_proposes_what_a_fresh_request_proposes(swa_pairs, tmp_path, a
     log = tmp_path / "path.log"
     with Server(target, ctx_size=1024, n_threads=2, log_file=log, extra_args=[*args, *dflash_args(draft, True)]) as url:
         reply_on_path = run(url, steps)[-1]
+    if path == "cancelled-stream":
+        assert "cancel task" in log.read_text()
     fresh_log = tmp_path / "fresh.log"
     with Server(target, ctx_size=1024, n_threads=2, log_file=fresh_log, extra_args=dflash_args(draft, True)) as url:
         fresh = post_json(url + "/completion", completion(final, 16, ignore_eos=True))
