@@ -9,15 +9,13 @@ in the built-in pair's acceptance (benchmarks/server_paths.py)."""
 
 from __future__ import annotations
 
-import http.client
-import json
+import itertools
 import re
-import socket
 
 import pytest
 
 from ikdflash import Server, ServerError
-from ikdflash.client import post_json, post_json_concurrently
+from ikdflash.client import post_json, post_json_concurrently, stream_json
 from ikdflash.model import Model
 from ikdflash.spectype import SpecType
 
@@ -39,16 +37,10 @@ def completion(prompt: str | list[int], n_predict: int, **extra) -> dict:
 def cancel_stream(url: str, body: dict, n_events: int) -> None:
     """A streamed request whose client hangs up after n_events events, as a closed browser tab
     or a Ctrl-C in a client does."""
-    host, port = url.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=60)
-    connection.request("POST", "/completion", json.dumps({**body, "stream": True}),
-                       {"Content-Type": "application/json"})
-    response = connection.getresponse()
-    events = 0
-    while events < n_events:
-        events += response.readline().startswith(b"data: ")
-    connection.sock.shutdown(socket.SHUT_RDWR)
-    connection.close()
+    events = stream_json(url + "/completion", body)
+    for _ in itertools.islice(events, n_events):
+        pass
+    events.close()
 
 
 def run(url: str, steps: list) -> list[dict]:

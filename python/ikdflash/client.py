@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from ikdflash.server import ServerError
 
@@ -26,15 +26,34 @@ class Completion:
     raw: dict[str, Any] = field(default_factory=dict)
 
 
-def post_json(url: str, body: dict[str, Any], timeout: float = 300.0, api_key: str | None = None) -> dict[str, Any]:
+def _request(url: str, body: dict[str, Any], api_key: str | None) -> urllib.request.Request:
     headers = {"Content-Type": "application/json"}
     api_key = api_key or os.environ.get("IKDFLASH_API_KEY")
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    return urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 300.0, api_key: str | None = None) -> dict[str, Any]:
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with urllib.request.urlopen(_request(url, body, api_key), timeout=timeout) as response:
             return json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        raise ServerError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')}") from None
+
+
+def stream_json(url: str, body: dict[str, Any], timeout: float = 300.0,
+                api_key: str | None = None) -> Iterator[dict[str, Any]]:
+    """POST body with "stream": true and yield each server-sent event as it arrives. Closing the
+    generator early (break, or .close()) hangs up, which makes the server cancel the request."""
+    try:
+        with urllib.request.urlopen(_request(url, {**body, "stream": True}, api_key), timeout=timeout) as response:
+            for line in response:
+                if line.startswith(b"data: "):
+                    event = json.loads(line[len(b"data: "):])
+                    yield event
+                    if event.get("stop"):
+                        return
     except urllib.error.HTTPError as e:
         raise ServerError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')}") from None
 
