@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ikdflash import Model, Server, ServerError, complete
-from ikdflash.server import absolute_paths
+from ikdflash.server import absolute_paths, port_in_use
 
 PROMPT = "once upon a time there was a little server that could"
 
@@ -46,6 +46,20 @@ def test_port_in_use_is_refused(tiny_model):
         port = busy.getsockname()[1]
         with pytest.raises(ServerError, match=f"port {port} on 127.0.0.1 is already in use"):
             Server(tiny_model("llama"), port=port).start()
+
+
+def test_a_port_is_in_use_while_a_server_listens_and_free_after_it_stops(tiny_model):
+    """llama-server binds with SO_REUSEPORT: a second server on a listened port would bind too and
+    share it, so a listener must count as in use. Before, the port also counted as in use for a
+    minute after the server stopped (its connections in TIME_WAIT), though a new server binds it."""
+    first = Server(tiny_model("llama"), ctx_size=256, n_threads=1)
+    with first as url:
+        complete(url, "hello", max_tokens=2)
+        with pytest.raises(ServerError, match=f"port {first.port} on 127.0.0.1 is already in use"):
+            Server(tiny_model("llama"), port=first.port).start()
+    assert not port_in_use("127.0.0.1", first.port)
+    with Server(tiny_model("llama"), ctx_size=256, n_threads=1, port=first.port) as url:
+        assert complete(url, "hello", max_tokens=2).raw["tokens_predicted"] == 2
 
 
 def test_server_dying_on_start_is_reported(tmp_path):

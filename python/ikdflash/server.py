@@ -40,8 +40,21 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_in_use(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """Whether llama-server could not have the port to itself. Its socket library binds with
+    SO_REUSEPORT, so a second llama-server would share a port one already listens on (and take
+    half its connections): a listener that answers counts as in use. Connections an earlier
+    server left in TIME_WAIT do not, as llama-server's own bind goes through them."""
+    probe = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
+    try:
+        with socket.create_connection((probe, port), timeout=1):
+            return True
+    except OSError:
+        pass
+    family = socket.AF_INET6 if ":" in probe else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if hasattr(socket, "SO_REUSEPORT"):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             sock.bind((host, port))
         except OSError:

@@ -1,0 +1,20 @@
+"""A slice of tests/soak.py (the full soak is its own command, see the README): llama-server with
+DFlash on 2 slots stays lossless, error-free and flat in memory under concurrent requests with
+hang-ups, and `ikdflash serve` never leaves a server or a busy port behind, however it stops."""
+
+from __future__ import annotations
+
+from soak import soak_cycles, soak_requests
+
+
+def test_concurrent_requests_with_hang_ups(swa_pairs, tmp_path):
+    soak = soak_requests(*swa_pairs["llama"], n_requests=40, seed=7, folder=tmp_path)
+    assert soak.requests == 40 and soak.cancelled >= 2
+    assert not soak.errors and not soak.mismatches, soak.errors + soak.mismatches
+    assert soak.rss_growth < 0.05, (soak.rss_warm_kib, soak.rss_end_kib)
+
+
+def test_serve_stopped_every_way_leaves_nothing_behind(swa_pairs, tmp_path):
+    cycles = soak_cycles(*swa_pairs["llama"], n_cycles=8, seed=3, folder=tmp_path)
+    assert cycles.cycles == 8 and len(cycles.by_stop) >= 3
+    assert cycles.ok, cycles
