@@ -219,3 +219,64 @@ def test_a_failed_capture_raises_and_the_engine_goes_on(pairs):
     lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
     assert "could not be captured" in lines["raised"]
     assert lines["then"] == lines["alone"]
+
+
+def test_streamed_pieces_make_the_same_text(pairs):
+    target, draft = pairs["llama"]
+    with Engine(target, draft, n_ctx=512, n_batch=16) as engine:
+        whole = engine.speculate(PROMPT, max_tokens=40)
+        stream = engine.stream(PROMPT, max_tokens=40)
+        pieces = list(stream)
+        assert len(pieces) > 1 and "".join(pieces) == whole.text
+        assert stream.result.tokens == whole.tokens and stream.result.finish_reason == "length"
+        assert stream.result.stats.steps == whole.stats.steps
+        assert "".join(engine.generate(PROMPT, max_tokens=40, stream=True)) == whole.text
+
+
+def test_a_stop_string_ends_the_text_before_it(pairs):
+    """The stop string may span tokens and steps; it is not returned, and neither is anything
+    generated after it in the same step."""
+    target, draft = pairs["qwen3"]
+    with Engine(target, draft, n_ctx=512, n_batch=16) as engine:
+        plain = engine.generate(PROMPT, max_tokens=60)
+        text = plain.text
+        start = next(k for k in range(len(text) // 2, len(text) - 6) if text.find(text[k:k + 6]) == k)
+        stop = text[start:start + 6]
+        for stream in (False, True):
+            out = engine.speculate(PROMPT, max_tokens=60, stop=["never there", stop], stream=stream)
+            if stream:
+                pieces = list(out)
+                assert stop not in "".join(pieces)
+                out = out.result
+            assert out.text == text[:start] and out.finish_reason == "stop"
+            assert out.tokens == plain.tokens[:len(out.tokens)] and len(out.tokens) < len(plain.tokens)
+            assert stop in engine.target.detokenize(out.tokens).decode("utf-8", errors="replace")
+        with pytest.raises(ValueError, match="cannot be empty"):
+            engine.speculate(PROMPT, stop=[""])
+
+
+def test_characters_split_across_tokens_are_held_back(tiny_model):
+    """The tiny models' tokens are bytes: é, ö and ✓ each span 2 or 3 tokens."""
+    from ikdflash import Model
+    from ikdflash.streaming import TextDecoder
+    with Model(tiny_model("llama"), n_ctx=128) as model:
+        text = "héllo wörld ✓ done"
+        tokens = model.tokenize(text, add_special=False)
+        lead = [model.detokenize([t]) for t in tokens].index(b"\xc3")  # the first byte of é alone
+        decoder = TextDecoder(model.detokenize, stop=["done"])
+        pieces = [decoder.feed([t]) for t in tokens]
+        assert all("\ufffd" not in p for p in pieces)
+        assert "".join(pieces) + decoder.finish() == "héllo wörld ✓ " and decoder.stopped == "done"
+        assert pieces[lead] == "" and pieces[lead + 1] == "é"
+
+
+def test_closing_a_stream_early_ends_the_generation(pairs):
+    target, draft = pairs["llama"]
+    with Engine(target, draft, n_ctx=512, n_batch=16) as engine:
+        stream = engine.stream(PROMPT, max_tokens=200)
+        first = next(iter(stream))
+        stream.close()
+        assert stream.result.text.startswith(first)
+        assert stream.result.stats.generated < 200
+        # the engine is free again, and exact
+        assert engine.speculate(PROMPT, max_tokens=20).tokens == engine.generate(PROMPT, max_tokens=20).tokens

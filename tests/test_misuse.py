@@ -135,3 +135,25 @@ def test_threads_sharing_a_model_take_turns(pair):
         print("ok", len(results))
     """)
     assert out.strip() == "ok 30"
+
+
+def test_a_commit_callback_cannot_reenter_its_model_and_its_errors_propagate(pair):
+    """The callback runs while the generation holds the model: a call back into the model would
+    deadlock on its lock (or, without one, clear the KV cache mid-generation)."""
+    run(pair, """
+        draft = _core.Draft(model, draft_path, n_threads=1)
+        engine = _core.Engine(model, draft, 64)
+        expected = engine.generate(prompt, 12, 4)[0]
+        refused(lambda: engine.generate(prompt, 12, 4, on_commit=lambda t: model.generate_greedy(prompt, 2, False)),
+                RuntimeError, "cannot use the model from a callback of its own generation")
+        refused(lambda: engine.generate(prompt, 12, 4, on_commit=lambda t: model.close()),
+                RuntimeError, "cannot close the model from a callback")
+
+        def boom(tokens):
+            raise KeyError("from the callback")
+        refused(lambda: engine.generate(prompt, 12, 4, on_commit=boom), KeyError, "from the callback")
+        seen = []
+        tokens, stats = engine.generate(prompt, 12, 4, on_commit=lambda t: seen.extend(t) or len(seen) < 5)
+        assert stats["end_reason"] == "caller" and tokens == seen == expected[:len(seen)] and len(seen) >= 5
+        assert engine.generate(prompt, 12, 4)[0] == expected
+    """)

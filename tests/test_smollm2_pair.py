@@ -61,6 +61,21 @@ def test_lossless_and_predicting_over_core(pair, chats):
     assert tau >= 1.2, f"mean acceptance length {tau:.2f} over {steps} steps: the shipped draft no longer predicts"
 
 
+def test_a_streamed_chat_answer_ends_at_the_end_of_turn(pair, chats):
+    """A real answer ends with the target's end-of-turn token: finish_reason "eos", and the
+    streamed pieces make the same text as the whole answer, token for token the target's."""
+    chat = render(chat_template(pair[0]), [("system", "You are a helpful assistant."), ("user", "Say hello.")],
+                  add_generation_prompt=True)
+    with Engine(*pair, n_ctx=2048, n_threads=2) as engine:
+        prompt = engine.target.tokenize(chat, add_special=False, parse_special=True)
+        whole = engine.speculate(prompt, max_tokens=100)
+        stream = engine.stream(prompt, max_tokens=100)
+        assert "".join(stream) == whole.text and stream.result.tokens == whole.tokens and whole.text
+        assert whole.finish_reason == stream.result.finish_reason == "eos"
+        assert whole.tokens == engine.generate(prompt, max_tokens=100).tokens
+        assert engine.speculate(prompt, max_tokens=5).finish_reason == "length"
+
+
 def test_lossless_over_llama_server(pair, chats, tmp_path):
     target, draft = pair
     with Server(target, ctx_size=2048, n_threads=2, log_file=tmp_path / "plain.log") as url:

@@ -288,7 +288,7 @@ public:
     }
 
     py::tuple generate(const std::vector<llama_token> & prompt, int max_tokens, int n_max, float temperature,
-                       uint32_t seed) {
+                       uint32_t seed, std::optional<py::function> on_commit) {
         target_.check_tokens(prompt);
         if (max_tokens < 0) {
             throw py::value_error("max_tokens must be >= 0, got " + std::to_string(max_tokens));
@@ -299,10 +299,16 @@ public:
         if (engine_ == nullptr) {
             throw std::runtime_error("the engine is closed");
         }
+        CommitCallback callback{on_commit ? *on_commit : py::function(), nullptr};
+        dflash_engine_set_commit_callback(engine_, on_commit ? &CommitCallback::call : nullptr, &callback);
         const int n = target_.exclusive([&] {
             return dflash_engine_generate(engine_, prompt.data(), (int) prompt.size(), max_tokens, n_max, temperature,
                                           seed, out.data(), &stats, step_lengths.data());
         });
+        dflash_engine_set_commit_callback(engine_, nullptr, nullptr);
+        if (callback.error) {
+            std::rethrow_exception(callback.error);
+        }
         if (n < 0) {
             throw py::value_error(dflash_last_error());
         }
@@ -318,10 +324,31 @@ public:
         st["t_verify_ms"] = stats.t_verify_ms;
         step_lengths.resize(stats.n_steps);
         st["step_lengths"] = step_lengths;
+        static const char * const end_reasons[] = {"length", "eog", "context", "caller"};
+        st["end_reason"] = end_reasons[stats.end_reason];
         return py::make_tuple(out, st);
     }
 
 private:
+    // A Python function given each step's committed tokens (GIL taken for the call): a falsy
+    // result other than None stops the generation; an exception stops it and is re-raised.
+    struct CommitCallback {
+        py::function function;
+        std::exception_ptr error;
+
+        static bool call(const llama_token * tokens, int n_tokens, void * user_data) {
+            auto * self = static_cast<CommitCallback *>(user_data);
+            py::gil_scoped_acquire gil;
+            try {
+                py::object go_on = self->function(std::vector<llama_token>(tokens, tokens + n_tokens));
+                return go_on.is_none() || go_on.cast<bool>();
+            } catch (...) {
+                self->error = std::current_exception();
+                return false;
+            }
+        }
+    };
+
     void free_native() {
         if (engine_ != nullptr) {
             dflash_engine_free(engine_);
@@ -449,7 +476,7 @@ void bind_dflash(py::module_ & m) {
              py::arg("full_attention") = false, py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
         .def("close", &Engine::close)
         .def("generate", &Engine::generate, py::arg("prompt"), py::arg("max_tokens"), py::arg("n_max"),
-             py::arg("temperature") = 0.0f, py::arg("seed") = 0);
+             py::arg("temperature") = 0.0f, py::arg("seed") = 0, py::arg("on_commit") = py::none());
     m.def("attention_mask", &attention_mask, py::arg("key_positions"), py::arg("start"), py::arg("n_query"),
           py::arg("sliding"), py::arg("causal"), py::arg("window"), py::arg("kv_pad") = 1);
 }

@@ -9,6 +9,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -119,6 +120,7 @@ public:
     }
 
     void close() {
+        refuse_reentry("close the model");
         if (users_ > 0) {
             throw std::runtime_error(path_ + ": cannot close the model while " + std::to_string(users_) +
                                      " Draft/Engine object(s) use it: close those first");
@@ -137,14 +139,24 @@ public:
     // instead of sharing a context that is not thread-safe.
     template <class Work>
     auto exclusive(Work && work) -> decltype(work()) {
+        refuse_reentry("use the model");
         py::gil_scoped_release release;
         std::lock_guard<std::mutex> lock(busy_);
+        struct owned {
+            std::atomic<std::thread::id> & owner;
+            explicit owned(std::atomic<std::thread::id> & o) : owner(o) { owner = std::this_thread::get_id(); }
+            ~owned() { owner = std::thread::id(); }
+        } mark(owner_);
         ensure_open();
         return work();
     }
 
     // The lock, taken with the GIL held: released only while another thread's work finishes.
+    // Not taken again by the thread that holds it (a callback run by that work, freeing objects).
     std::unique_lock<std::mutex> lock_busy() {
+        if (owner_ == std::this_thread::get_id()) {
+            return {};
+        }
         std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
         if (!lock.owns_lock()) {
             py::gil_scoped_release release;
@@ -256,6 +268,14 @@ private:
         }
     }
 
+    // A callback run by this model's work (a stream's commit callback) cannot start more work
+    // on it: the context is mid-generation, and the lock is not reentrant.
+    void refuse_reentry(const char * what) const {
+        if (owner_ == std::this_thread::get_id()) {
+            throw std::runtime_error(path_ + ": cannot " + what + " from a callback of its own generation");
+        }
+    }
+
     void free_native() {
         if (ctx_ != nullptr) {
             llama_free(ctx_);
@@ -295,6 +315,7 @@ private:
     llama_context * ctx_ = nullptr;
     int users_ = 0;     // changed with the GIL held
     std::mutex busy_;   // held while native code works on ctx_ or a draft of this model
+    std::atomic<std::thread::id> owner_{};  // the thread holding busy_ through exclusive()
 };
 
 }  // namespace ikdflash

@@ -307,17 +307,38 @@ struct dflash_engine {
         st.t_prompt_ms = now_ms() - t0;
 
         int n_out = 0;
+        int n_reported = 0;
+        // the tokens committed since the last report go to the callback; false: stop
+        auto report = [&]() {
+            const bool go_on = on_commit == nullptr || n_out == n_reported ||
+                               on_commit(out + n_reported, n_out - n_reported, on_commit_data);
+            n_reported = n_out;
+            return go_on;
+        };
         int s = n_prompt;  // position of t
         const int block = draft ? dflash_draft_block_size(draft) : 1;
         std::vector<llama_token> proposal(std::max(1, block - 1));
         std::vector<llama_token> verify;
+        st.end_reason = DFLASH_END_LENGTH;
         while (true) {
-            if (max_tokens <= n_out || llama_token_is_eog(model, t)) {
+            if (max_tokens <= n_out) {
+                break;
+            }
+            if (llama_token_is_eog(model, t)) {
+                st.end_reason = DFLASH_END_EOG;
                 break;
             }
             out[n_out++] = t;
-            if (s >= n_ctx - 1 || n_out == max_tokens) {
-                break;  // t is the last token that fits, or the last one asked for
+            if (!report()) {
+                st.end_reason = DFLASH_END_CALLER;
+                break;
+            }
+            if (s >= n_ctx - 1 && n_out < max_tokens) {
+                st.end_reason = DFLASH_END_CONTEXT;  // t is the last token that fits
+                break;
+            }
+            if (n_out == max_tokens) {
+                break;  // the last one asked for
             }
             // draft n tokens after t, bounded by the block, the context, and the budget, leaving
             // room for the target's own token so that every step's tokens are all returned
@@ -370,14 +391,21 @@ struct dflash_engine {
                 }
             }
             if (stop) {
+                st.end_reason = DFLASH_END_EOG;
                 break;
             }
             s += acc + 1;
             t = next;
         }
+        if (st.end_reason != DFLASH_END_CALLER) {
+            report();  // what the last step committed before it ended the generation
+        }
         st.n_generated = n_out;
         return n_out;
     }
+
+    dflash_commit_callback on_commit = nullptr;
+    void * on_commit_data = nullptr;
 };
 
 dflash_engine * dflash_engine_init(llama_context * target, dflash_draft * draft, dflash_engine_params params) {
@@ -405,6 +433,11 @@ dflash_engine * dflash_engine_init(llama_context * target, dflash_draft * draft,
 }
 
 void dflash_engine_free(dflash_engine * engine) { delete engine; }
+
+void dflash_engine_set_commit_callback(dflash_engine * engine, dflash_commit_callback callback, void * user_data) {
+    engine->on_commit = callback;
+    engine->on_commit_data = user_data;
+}
 
 int dflash_engine_generate(dflash_engine * engine, const llama_token * prompt, int n_prompt, int max_tokens, int n_max,
                            float temperature, uint32_t seed, llama_token * out, dflash_stats * stats,

@@ -172,7 +172,21 @@ struct dflash_stats {
     double  t_prompt_ms;
     double  t_draft_ms;
     double  t_verify_ms;     // target passes, sampling and rollback
+    int32_t end_reason;      // enum dflash_end_reason
 };
+
+// Why a generation ended.
+enum dflash_end_reason {
+    DFLASH_END_LENGTH  = 0,  // max_tokens returned
+    DFLASH_END_EOG     = 1,  // the target produced an end-of-generation token
+    DFLASH_END_CONTEXT = 2,  // the context is full
+    DFLASH_END_CALLER  = 3,  // the commit callback asked to stop
+};
+
+// Called during dflash_engine_generate with the tokens each step commits, in order (the first
+// call holds the token of the prompt pass), before the next step starts; returning false ends
+// the generation there. For streaming and stop strings.
+typedef bool (*dflash_commit_callback)(const llama_token * tokens, int n_tokens, void * user_data);
 
 // The engine takes over the target context's eval callback (to capture layer outputs).
 // draft may be NULL: the engine then only generates with the target.
@@ -188,6 +202,10 @@ LLAMA_API void dflash_engine_free(dflash_engine * engine);
 LLAMA_API int dflash_engine_generate(dflash_engine * engine, const llama_token * prompt, int n_prompt, int max_tokens,
                                      int n_max, float temperature, uint32_t seed, llama_token * out,
                                      dflash_stats * stats, int32_t * step_lengths);
+
+// The callback the engine's next generations report their tokens to (NULL: none).
+LLAMA_API void dflash_engine_set_commit_callback(dflash_engine * engine, dflash_commit_callback callback,
+                                                 void * user_data);
 
 // --- command line --------------------------------------------------------------------------------
 

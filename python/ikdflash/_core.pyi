@@ -1,6 +1,6 @@
 """Types of the native module (cpp/bindings). Use the wrappers in ikdflash; these are their engine."""
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -83,5 +83,8 @@ class Engine:
     """The speculative loop on a target Model (draft None: the target alone)."""
 
     def __init__(self, target: Model, draft: Draft | None, cross_ctx: int, full_attention: bool = False) -> None: ...
-    def generate(self, prompt: list[int], max_tokens: int, n_max: int, temperature: float = 0.0,
-                 seed: int = 0) -> tuple[list[int], dict[str, Any]]: ...
+    def generate(self, prompt: list[int], max_tokens: int, n_max: int, temperature: float = 0.0, seed: int = 0,
+                 on_commit: Callable[[list[int]], bool | None] | None = None) -> tuple[list[int], dict[str, Any]]:
+        """Tokens and statistics (end_reason: "length", "eog", "context" or "caller"). on_commit
+        gets each step's committed tokens; a falsy result other than None stops the generation."""
+    def close(self) -> None: ...

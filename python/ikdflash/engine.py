@@ -5,6 +5,8 @@
         out = engine.speculate("Write a haiku about rain.", max_tokens=128, n_max=4)
         print(out.text, out.stats.acceptance, out.stats.mean_acceptance_length)
         plain = engine.generate("Write a haiku about rain.", max_tokens=128)   # target alone
+        for piece in engine.stream("Tell me a story.", max_tokens=128, stop=["THE END"]):
+            print(piece, end="", flush=True)
 
 Greedy speculation returns exactly the tokens plain greedy generation returns; with
 temperature > 0 the output follows the target's distribution (the target samples every
@@ -19,6 +21,7 @@ from typing import Any, Sequence
 
 from ikdflash import _core
 from ikdflash.model import Model
+from ikdflash.streaming import TextDecoder, TextStream
 
 
 @dataclass
@@ -57,6 +60,9 @@ class SpeculationResult:
     text: str
     tokens: list[int] = field(default_factory=list)
     stats: SpeculationStats | None = None
+    finish_reason: str = "length"
+    """"stop" (a stop string), "eos" (the target's end-of-generation token), or "length"
+    (max_tokens, or the context is full)."""
 
 
 class Engine:
@@ -121,29 +127,59 @@ class Engine:
         return self.draft.info()["block_size"] if self.draft else 1
 
     def speculate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int = 4,
-                  temperature: float = 0.0, seed: int = 0) -> SpeculationResult:
-        """Generate with DFlash: draft up to n_max tokens per step (capped at block_size - 1)."""
+                  temperature: float = 0.0, seed: int = 0, stop: Sequence[str] = (),
+                  stream: bool = False) -> SpeculationResult | TextStream:
+        """Generate with DFlash: draft up to n_max tokens per step (capped at block_size - 1).
+        ``stop``: strings that end the text (not included). ``stream=True``: a TextStream of
+        text pieces instead, as stream() returns."""
         if self.draft is None:
             raise ValueError("speculate() needs a draft model; use generate() for the target alone")
         if n_max < 1:
             raise ValueError(f"n_max must be at least 1, got {n_max}")
-        return self._run(prompt, max_tokens, n_max, temperature, seed)
+        return self._run(prompt, max_tokens, n_max, temperature, seed, stop, stream)
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
-                 seed: int = 0) -> SpeculationResult:
+                 seed: int = 0, stop: Sequence[str] = (), stream: bool = False) -> SpeculationResult | TextStream:
         """Generate with the target alone, through the same loop (the baseline)."""
-        return self._run(prompt, max_tokens, 0, temperature, seed)
+        return self._run(prompt, max_tokens, 0, temperature, seed, stop, stream)
+
+    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int = 4,
+               temperature: float = 0.0, seed: int = 0, stop: Sequence[str] = ()) -> TextStream:
+        """Text pieces as each step commits them (n_max 0: the target alone); the stream's
+        ``result`` has the tokens, statistics and finish_reason once it is exhausted."""
+        if n_max > 0 and self.draft is None:
+            raise ValueError("this engine has no draft: stream with n_max=0")
+        return self._run(prompt, max_tokens, n_max, temperature, seed, stop, True)
 
     def _run(self, prompt: str | Sequence[int], max_tokens: int, n_max: int, temperature: float,
-             seed: int) -> SpeculationResult:
+             seed: int, stop: Sequence[str], stream: bool) -> SpeculationResult | TextStream:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if self._native is None:
+            raise ValueError("the engine is closed")
         tokens = self.target.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        out, raw = self._native.generate(tokens, max_tokens, n_max, temperature, seed)
-        stats = SpeculationStats(
-            prompt_tokens=raw["n_prompt"], generated=raw["n_generated"], drafted=raw["n_drafted"],
-            accepted=raw["n_accepted"], steps=raw["n_steps"], prompt_time=raw["t_prompt_ms"] / 1e3,
-            draft_time=raw["t_draft_ms"] / 1e3, verify_time=raw["t_verify_ms"] / 1e3,
-            step_lengths=list(raw["step_lengths"]))
-        text = self.target.detokenize(out).decode("utf-8", errors="replace")
-        return SpeculationResult(text=text, tokens=out, stats=stats)
+        decoder = TextDecoder(self.target.detokenize, [stop] if isinstance(stop, str) else stop)
+
+        def run(on_commit):
+            return self._native.generate(tokens, max_tokens, n_max, temperature, seed, on_commit)
+
+        if stream:
+            return TextStream(run, decoder, _result)
+
+        def on_commit(step: list[int]) -> bool:
+            decoder.feed(step)
+            return decoder.stopped is None  # a stop string ends the generation after this step
+
+        return _result(run(on_commit), decoder)
+
+
+def _result(native: tuple[list[int], dict[str, Any]], decoder: TextDecoder) -> SpeculationResult:
+    _, raw = native
+    decoder.finish()
+    stats = SpeculationStats(
+        prompt_tokens=raw["n_prompt"], generated=raw["n_generated"], drafted=raw["n_drafted"],
+        accepted=raw["n_accepted"], steps=raw["n_steps"], prompt_time=raw["t_prompt_ms"] / 1e3,
+        draft_time=raw["t_draft_ms"] / 1e3, verify_time=raw["t_verify_ms"] / 1e3,
+        step_lengths=list(raw["step_lengths"]))
+    reason = "stop" if decoder.stopped is not None else "eos" if raw["end_reason"] == "eog" else "length"
+    return SpeculationResult(text=decoder.text, tokens=decoder.kept_tokens, stats=stats, finish_reason=reason)
