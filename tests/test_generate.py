@@ -14,9 +14,16 @@ def test_generate_prints_text_and_statistics(tiny_model, tiny_draft, capsys):
     out = capsys.readouterr()
     assert out.out.strip()
     lines = out.err.strip().splitlines()
-    assert lines[0].startswith("dflash: 12 tokens") and "acceptance" in lines[0] and "tau" in lines[0]
-    assert lines[1].startswith("target alone: 12 tokens") and "speed-up" in lines[1]
+    assert lines[0].startswith("dflash: 12 tokens (length)") and "acceptance" in lines[0] and "tau" in lines[0]
+    assert lines[1].startswith("target alone: 12 tokens (length)") and "speed-up" in lines[1]
     assert "outputs differ" not in lines[1]
+
+    # the same text, cut before a stop string taken from it
+    text = out.out.rstrip("\n")
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert main(argv + ["--stop", stop, "the river town"]) == 0
+    out = capsys.readouterr()
+    assert out.out.rstrip("\n") == text[:text.find(stop)] and "(stop)" in out.err
 
     assert main(argv + ["--raw", "   "]) == 2
     assert "the prompt is empty" in capsys.readouterr().err

@@ -6,8 +6,9 @@
     echo "Once upon a time" | ikdflash generate --raw --target T.gguf --draft D.gguf
     ikdflash generate --compare "..."                           # and the target alone, side by side
 
-The prompt is wrapped in the target's chat template unless --raw. The text goes to stdout; the last
-line (stderr) gives tokens, speed, acceptance and mean acceptance length (tau).
+The prompt is wrapped in the target's chat template unless --raw. The text streams to stdout as
+each step commits it; the last line (stderr) gives tokens, speed, acceptance, mean acceptance
+length (tau) and why the text ended.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-max", type=int, default=4, help="draft tokens per step (default 4)")
     parser.add_argument("-c", "--ctx-size", type=int, default=4096)
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--stop", action="append", help="a string that ends the text (repeatable)")
     parser.add_argument("--compare", action="store_true", help="also generate with the target alone")
 
 
-def summary(label: str, stats: SpeculationStats) -> str:
-    line = f"{label}: {stats.generated} tokens, {stats.tokens_per_second:.1f} tok/s"
+def summary(label: str, stats: SpeculationStats, finish_reason: str) -> str:
+    line = f"{label}: {stats.generated} tokens ({finish_reason}), {stats.tokens_per_second:.1f} tok/s"
     if stats.drafted:
         line += (f", acceptance {stats.acceptance:.1%}, tau {stats.mean_acceptance_length:.2f} "
                  f"({stats.accepted}/{stats.drafted} drafts accepted in {stats.steps} steps)")
@@ -52,15 +54,18 @@ def run(args: argparse.Namespace) -> int:
             prompt = render(chat_template(target), messages, add_generation_prompt=True)
         with Engine(target, draft, n_ctx=args.ctx_size, n_threads=args.threads) as engine:
             tokens = engine.target.tokenize(prompt, add_special=args.raw, parse_special=not args.raw)
-            out = engine.speculate(tokens, max_tokens=args.max_tokens, n_max=args.n_max)
-            print(out.text, flush=True)
+            stream = engine.stream(tokens, max_tokens=args.max_tokens, n_max=args.n_max, stop=args.stop or ())
+            for piece in stream:
+                print(piece, end="", flush=True)
+            print()
+            out = stream.result
             assert out.stats is not None
-            print(summary("dflash", out.stats), file=sys.stderr)
+            print(summary("dflash", out.stats, out.finish_reason), file=sys.stderr)
             if args.compare:
-                plain = engine.generate(tokens, max_tokens=args.max_tokens)
+                plain = engine.generate(tokens, max_tokens=args.max_tokens, stop=args.stop or ())
                 assert plain.stats is not None
                 ratio = out.stats.tokens_per_second / plain.stats.tokens_per_second if plain.stats.generated else 0.0
-                print(summary("target alone", plain.stats) + f"; DFlash speed-up {ratio:.2f}x"
+                print(summary("target alone", plain.stats, plain.finish_reason) + f"; DFlash speed-up {ratio:.2f}x"
                       + ("" if plain.tokens == out.tokens else " (outputs differ!)"), file=sys.stderr)
     except (HubError, FileNotFoundError, ValueError) as e:
         print(f"ikdflash generate: error: {e}", file=sys.stderr)
