@@ -46,3 +46,14 @@ def test_doctor_text_names_every_section():
     for label in ("ikdflash", "base", "patches", "backends", "llama-server"):
         assert label in out
     assert report["version"] in out
+
+
+def test_the_package_ships_its_type_hints_and_license():
+    """py.typed makes type checkers read the hints (and _core.pyi); the license matches pyproject."""
+    from importlib import metadata, resources
+    assert (resources.files("ikdflash") / "py.typed").is_file()
+    assert (resources.files("ikdflash") / "_core.pyi").is_file()
+    dist = metadata.distribution("ikdflash")
+    assert dist.metadata["License-Expression"] == "MIT"
+    licenses = [f for f in dist.files if f.name == "LICENSE"]
+    assert licenses and "MIT License" in licenses[0].read_text()

@@ -29,3 +29,27 @@ def test_generate_prints_text_and_statistics(tiny_model, tiny_draft, capsys):
     assert "the prompt is empty" in capsys.readouterr().err
     assert main(["generate", "--target", str(target), "--draft", "missing.gguf", "hi"]) == 2
     assert "missing.gguf" in capsys.readouterr().err
+
+
+def test_ctrl_c_ends_a_command_with_one_line(tiny_model, tiny_draft, tmp_path):
+    """SIGINT during a long conversion ends it with a message, exit 130, no traceback and no
+    partial output file."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from ikdflash.tinydraft import write_hf_target, write_tiny_draft
+    target = tiny_model("llama")
+    hf = write_hf_target(tmp_path / "hf", target)
+    draft = write_tiny_draft(tmp_path / "d", hf, target_layer_ids=[0], layer_types=["full_attention"] * 64,
+                             n_ff=2048)
+    process = subprocess.Popen([sys.executable, "-m", "ikdflash.cli", "convert", str(draft), "--target-model-dir",
+                                str(hf), "--outtype", "q8_0", "--outfile", str(tmp_path / "out.gguf")],
+                               stderr=subprocess.PIPE, text=True)
+    assert process.stderr.readline().startswith("[1/")  # converting
+    time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err
+    assert err.strip().endswith("ikdflash convert: interrupted") and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "hf"]

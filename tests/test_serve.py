@@ -13,6 +13,7 @@ import time
 import pytest
 
 from ikdflash.client import post_json
+from ikdflash.server import free_port
 from ikdflash.spectype import SpecType, SpecTypeError
 from gguf_edit import rewrite
 
@@ -103,6 +104,7 @@ def test_server_dying_on_start(pair, tmp_path):
     (["--n-max", "0"], "n_max must be at least 1, got 0"),
     (["--cross-ctx", "0"], "cross_ctx must be at least 1, got 0"),
     (["-c", "0"], "--ctx-size must be at least 1, got 0"),
+    (["--parallel", "0"], "--parallel must be at least 1, got 0"),
 ])
 def test_bad_values(pair, args, message):
     target, draft = pair
@@ -339,3 +341,31 @@ def test_serve_keeps_the_api_key_off_the_command_line(pair, tmp_path, monkeypatc
     assert out.returncode == 2 and "the file holds no key" in out.stderr
     out = serve("--target", str(target), "--draft", str(draft), "--api-key-file", str(tmp_path / "none"), "--dry-run")
     assert out.returncode == 2 and "cannot read it" in out.stderr
+
+
+def test_serve_passes_parallel_and_alias(pair, tmp_path):
+    """Two slots under a name of our choosing (the OpenAI model list says the alias)."""
+    import json
+    import urllib.request
+    from ikdflash.client import post_json_concurrently
+    target, draft = pair
+    port = str(free_port())
+    process = subprocess.Popen([sys.executable, "-m", "ikdflash.cli", "serve", "--target", str(target), "--draft",
+                                str(draft), "-c", "1024", "--port", port, "--parallel", "2", "--alias", "tiny-dflash",
+                                "--log-file", str(tmp_path / "s.log")], stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        line = ""
+        while "ready at" not in line:
+            line = process.stderr.readline()
+            assert line, "serve exited before it was ready"
+        models = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=10).read())
+        assert [m["id"] for m in models["data"]] == ["tiny-dflash"]
+        assert json.loads(urllib.request.urlopen(url + "/props", timeout=10).read())["total_slots"] == 2
+        body = {"prompt": "the river", "n_predict": 8, "temperature": 0}
+        replies = post_json_concurrently(url + "/completion", [body, body])
+        assert replies[0]["content"] == replies[1]["content"] and replies[0]["timings"]["draft_n"] > 0
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        process.stderr.close()

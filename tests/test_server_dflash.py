@@ -3,7 +3,6 @@ HTTP, draft statistics in every response, and every bad flag refused with its re
 
 from __future__ import annotations
 
-import json
 import re
 import urllib.request
 
@@ -11,7 +10,7 @@ import gguf
 import pytest
 
 from ikdflash import Server, ServerError, build_info
-from ikdflash.client import post_json, post_json_concurrently
+from ikdflash.client import post_json, post_json_concurrently, stream_json
 from ikdflash.spectype import SpecType
 from gguf_edit import rewrite
 
@@ -26,19 +25,6 @@ def dflash_args(draft, spec: SpecType = N_MAX_4) -> list[str]:
     return ["--model-draft", str(draft), "--spec-type", spec.flag()]
 
 
-def stream(url: str, body: dict) -> list[dict]:
-    """POST with stream=true and return the server-sent JSON chunks."""
-    request = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
-                                     headers={"Content-Type": "application/json"})
-    chunks = []
-    with urllib.request.urlopen(request, timeout=120) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[len("data: "):]))
-    return chunks
-
-
 def all_outputs(url: str) -> dict[str, tuple[str, dict | None]]:
     """The same greedy request over every endpoint: name -> (text, timings)."""
     completion = {"prompt": PROMPT, "n_predict": 32, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
@@ -47,11 +33,11 @@ def all_outputs(url: str) -> dict[str, tuple[str, dict | None]]:
     out = {}
     reply = post_json(url + "/completion", completion)
     out["completion"] = (reply["content"], reply.get("timings"))
-    chunks = stream(url + "/completion", completion)
+    chunks = list(stream_json(url + "/completion", completion))
     out["completion-stream"] = ("".join(c.get("content", "") for c in chunks), chunks[-1].get("timings"))
     reply = post_json(url + "/v1/chat/completions", chat)
     out["chat"] = (reply["choices"][0]["message"]["content"], reply.get("timings"))
-    chunks = stream(url + "/v1/chat/completions", chat)
+    chunks = list(stream_json(url + "/v1/chat/completions", chat))
     text = "".join((c["choices"][0].get("delta") or {}).get("content") or "" for c in chunks if c.get("choices"))
     out["chat-stream"] = (text, chunks[-1].get("timings"))
     reply = post_json(url + "/v1/completions", {**completion, "max_tokens": 32})
@@ -202,6 +188,17 @@ def test_full_attention_switch(swa_pairs, tmp_path):
     ("dflash:n_max=4", ["--parallel", "4", "--batch-size", "16", "--ubatch-size", "16"],
      "4 slots x 5 rows (n_max + 1) exceed --batch-size 16"),
 ])
+def test_mainline_spellings_are_accepted(swa_pairs, tmp_path):
+    """Commands copied from mainline llama.cpp: --spec-type draft-dflash, --spec-draft-model."""
+    target, draft = swa_pairs["llama"]
+    mainline = ["--spec-draft-model", str(draft), "--spec-type", "draft-dflash:n_max=3,log_drafts=1"]
+    with Server(target, ctx_size=CTX, n_threads=2, log_file=tmp_path / "s.log", extra_args=mainline) as url:
+        reply = post_json(url + "/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 0})
+    assert reply["timings"]["draft_n"] > 0
+    drafts = re.findall(r"dflash: drafts after \d+ at \d+:([\d ]*)", (tmp_path / "s.log").read_text())
+    assert drafts and len(drafts[0].split()) == 3  # n_max=3 was read
+
+
 def test_bad_flags_exit_with_their_reason(swa_pairs, tmp_path, spec, extra, message):
     target, draft = swa_pairs["llama"]
     args = (["--model-draft", str(draft), *(extra if isinstance(extra, list) else [])] if extra else [])

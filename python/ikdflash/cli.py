@@ -28,7 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # for commands that record how they ran
-    return args.run(args)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (convert leaves no partial file)
+        print(f"\nikdflash {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -44,11 +44,14 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 300.0, api_key: s
 
 def stream_json(url: str, body: dict[str, Any], timeout: float = 300.0,
                 api_key: str | None = None) -> Iterator[dict[str, Any]]:
-    """POST body with "stream": true and yield each server-sent event as it arrives. Closing the
-    generator early (break, or .close()) hangs up, which makes the server cancel the request."""
+    """POST body with "stream": true and yield each server-sent event (a JSON object) as it
+    arrives, on the native and the OpenAI endpoints. Closing the generator early (break, or
+    .close()) hangs up, which makes the server cancel the request."""
     try:
         with urllib.request.urlopen(_request(url, {**body, "stream": True}, api_key), timeout=timeout) as response:
             for line in response:
+                if line.strip() == b"data: [DONE]":  # the OpenAI endpoints' last event
+                    return
                 if line.startswith(b"data: "):
                     event = json.loads(line[len(b"data: "):])
                     yield event

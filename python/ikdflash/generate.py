@@ -70,7 +70,4 @@ def run(args: argparse.Namespace) -> int:
     except (HubError, FileNotFoundError, ValueError) as e:
         print(f"ikdflash generate: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("\nikdflash generate: interrupted", file=sys.stderr)
-        return 130
     return 0

@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-layers-draft", type=int,
                         help="draft placement (-ngld): default follows the target's output layer, "
                              "0 keeps it on the CPU")
+    parser.add_argument("--parallel", type=int, default=1, help="slots serving requests at once (default 1)")
+    parser.add_argument("--alias", help="the model name the API reports (default: the target's file name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--api-key-file", type=Path,
                         help="file with the API key(s) clients must send, one per line "
@@ -62,6 +64,10 @@ def say(message: str) -> None:
 def build_server(args: argparse.Namespace) -> Server:
     spec = SpecType(n_max=args.n_max, cross_ctx=args.cross_ctx, full_attention=args.full_attention)
     extra = ["--model-draft", str(args.draft.resolve()), "--spec-type", spec.flag()]
+    if args.parallel != 1:
+        extra += ["--parallel", str(args.parallel)]
+    if args.alias:
+        extra += ["--alias", args.alias]
     if args.gpu_layers is not None:
         extra += ["-ngl", str(args.gpu_layers)]
     if args.gpu_layers_draft is not None:
@@ -93,9 +99,10 @@ def _check_key_file(path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.ctx_size < 1:
-        say(f"error: --ctx-size must be at least 1, got {args.ctx_size}")
-        return 2
+    for flag, value in (("--ctx-size", args.ctx_size), ("--parallel", args.parallel)):
+        if value < 1:
+            say(f"error: {flag} must be at least 1, got {value}")
+            return 2
     try:
         args.target, args.draft = resolve_models(args)
         server = build_server(args)

@@ -84,7 +84,8 @@ def _end_with(parent: int) -> Callable[[], None] | None:
 # so a relative path given to one of these is passed on as an absolute one; other values (an
 # --alias that happens to name a file here) stay as they are.
 PATH_FLAGS = frozenset({
-    "--model-draft", "-md", "--lora", "--lora-scaled", "--control-vector", "--control-vector-scaled", "--mmproj",
+    "--model-draft", "-md", "--spec-draft-model", "--lora", "--lora-scaled", "--control-vector",
+    "--control-vector-scaled", "--mmproj",
     "--slot-save-path", "--grammar-file", "--chat-template-file", "--log-file", "--api-key-file",
     "--ssl-key-file", "--ssl-cert-file", "--json-schema-file",
 })
