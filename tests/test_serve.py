@@ -287,6 +287,20 @@ def test_a_bad_registry_is_refused_with_its_reason(hub_cache, tmp_path, monkeypa
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
+def test_models_lists_the_pairs_and_what_is_local(hub_cache, monkeypatch):
+    import json
+    out = subprocess.run(["ikdflash", "models", "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pairs = {p["name"]: p for p in json.loads(out.stdout)}
+    assert pairs["tiny-pair"]["check"] == "ok" and pairs["tiny-pair"]["target"]["quant"] == "F32"
+    assert pairs["tiny-pair"]["draft"]["path"].endswith("draft-SWA-F32.gguf")
+    assert "not a DFlash draft" in pairs["swapped-pair"]["check"]
+    assert pairs["smollm2-135m-swa"]["default"]
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache.parent / "empty"))
+    text = subprocess.run(["ikdflash", "models"], capture_output=True, text=True, timeout=120).stdout
+    assert "not on this machine (ikdflash download tiny-pair)" in text
+
+
 def test_the_built_in_pair_resolves_and_is_checked(hub_cache, monkeypatch):
     out = subprocess.run(["ikdflash", "download", "qwen3.5-35b-a3b-swa"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

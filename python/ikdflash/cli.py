@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ikdflash import __version__, bench, convert, doctor, download, generate, serve, train
+from ikdflash import __version__, bench, convert, doctor, download, generate, models, serve, train
 
 SUBCOMMANDS = {"generate": generate, "serve": serve, "bench": bench, "download": download, "doctor": doctor,
-               "convert": convert, "train": train}
+               "models": models, "convert": convert, "train": train}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -53,11 +53,21 @@ def gguf_field(reader: gguf.GGUFReader, key: str, default: Any = _REQUIRED) -> A
     return field_.contents()
 
 
+def matrix_type(reader: gguf.GGUFReader) -> str | None:
+    """What a model is quantised to: the type most of its matrices have (Q4_K_M files mix a few)."""
+    counts: dict[str, int] = {}
+    for tensor in reader.tensors:
+        if len(tensor.shape) > 1:
+            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    return max(counts, key=counts.get) if counts else None
+
+
 def check_pair(target: str | os.PathLike[str], draft: str | os.PathLike[str], *,
                cross_ctx: int | None = None, ctx_size: int | None = None) -> PairReport:
     report = PairReport()
     t = open_gguf(target, "target")
     d = open_gguf(draft, "draft")
+    report.facts["target_quant"], report.facts["draft_quant"] = matrix_type(t), matrix_type(d)
     t_arch, d_arch = gguf_field(t, "general.architecture", None), gguf_field(d, "general.architecture", None)
     if d_arch not in DRAFT_ARCHS:
         report.problems.append(f"draft {draft}: architecture '{d_arch}' is not a DFlash draft")
@@ -81,9 +91,9 @@ def check_pair(target: str | os.PathLike[str], draft: str | os.PathLike[str], *,
         block = int(gguf_field(d, p + "block_size", 16))
     window = int(gguf_field(d, p + "attention.sliding_window", 0))
     pattern = list(gguf_field(d, p + "attention.sliding_window_pattern", []))
-    report.facts = {"target_arch": t_arch, "target_layers": n_layer_t, "target_hidden": n_embd_t,
-                    "vocab": len(t_tokens), "draft_format": d_arch, "block_size": block, "window": window,
-                    "sliding_layers": sum(bool(x) for x in pattern) if pattern else 0, "target_layer_ids": ids}
+    report.facts |= {"target_arch": t_arch, "target_layers": n_layer_t, "target_hidden": n_embd_t,
+                     "vocab": len(t_tokens), "draft_format": d_arch, "block_size": block, "window": window,
+                     "sliding_layers": sum(bool(x) for x in pattern) if pattern else 0, "target_layer_ids": ids}
 
     if len(d_tokens) != len(t_tokens):
         report.problems.append(f"vocabulary: the draft has {len(d_tokens)} tokens, the target {len(t_tokens)}: "
