@@ -179,15 +179,6 @@ def test_full_attention_switch(swa_pairs, tmp_path):
     assert "(ignored: full_attention): the window can never engage" in log.read_text()
 
 
-@pytest.mark.parametrize("spec,extra,message", [
-    ("dflash:n_max=4,colour=red", True, "unknown key 'colour'"),
-    ("dflash:cross_ctx=0", True, "cross_ctx must be at least 1, got 0"),
-    ("dflash:n_max=four", True, "n_max=four is not an integer"),
-    ("dflash:n_max=4", False, "--spec-type dflash needs the DFlash draft: pass it with --model-draft"),
-    # 4 slots x 5 verification rows do not fit a batch of 16: an assert at the first busy step, before
-    ("dflash:n_max=4", ["--parallel", "4", "--batch-size", "16", "--ubatch-size", "16"],
-     "4 slots x 5 rows (n_max + 1) exceed --batch-size 16"),
-])
 def test_mainline_spellings_are_accepted(swa_pairs, tmp_path):
     """Commands copied from mainline llama.cpp: --spec-type draft-dflash, --spec-draft-model."""
     target, draft = swa_pairs["llama"]
@@ -199,6 +190,15 @@ def test_mainline_spellings_are_accepted(swa_pairs, tmp_path):
     assert drafts and len(drafts[0].split()) == 3  # n_max=3 was read
 
 
+@pytest.mark.parametrize("spec,extra,message", [
+    ("dflash:n_max=4,colour=red", True, "unknown key 'colour'"),
+    ("dflash:cross_ctx=0", True, "cross_ctx must be at least 1, got 0"),
+    ("dflash:n_max=four", True, "n_max=four is not an integer"),
+    ("dflash:n_max=4", False, "--spec-type dflash needs the DFlash draft: pass it with --model-draft"),
+    # 4 slots x 5 verification rows do not fit a batch of 16: an assert at the first busy step, before
+    ("dflash:n_max=4", ["--parallel", "4", "--batch-size", "16", "--ubatch-size", "16"],
+     "4 slots x 5 rows (n_max + 1) exceed --batch-size 16"),
+])
 def test_bad_flags_exit_with_their_reason(swa_pairs, tmp_path, spec, extra, message):
     target, draft = swa_pairs["llama"]
     args = (["--model-draft", str(draft), *(extra if isinstance(extra, list) else [])] if extra else [])
