@@ -301,6 +301,18 @@ def test_models_lists_the_pairs_and_what_is_local(hub_cache, monkeypatch):
     assert "not on this machine (ikdflash download tiny-pair)" in text
 
 
+def test_an_engine_from_hub_references(hub_cache):
+    code = """
+import os
+from ikdflash import Engine
+with Engine.from_pretrained("tiny/target-GGUF:F32", draft="tiny/draft/draft-SWA-F32.gguf", n_ctx=256) as e:
+    print(os.path.basename(e.target.path), e.draft_device, len(e.speculate("the river", max_tokens=4).tokens))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["target-F32.gguf", "CPU", "4"]
+
+
 def test_the_built_in_pair_resolves_and_is_checked(hub_cache, monkeypatch):
     out = subprocess.run(["ikdflash", "download", "qwen3.5-35b-a3b-swa"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

@@ -95,6 +95,14 @@ class Engine:
             raise
 
     @classmethod
+    def from_pretrained(cls, target: str, draft: str | None = None, **kwargs: Any) -> Engine:
+        """Models by reference, as `ikdflash download` takes them (a path, owner/repo:QUANT,
+        owner/repo/file.gguf[@rev], a packaged file), fetched into the cache the first time."""
+        from ikdflash.hub import resolve
+
+        return cls(resolve(target, role="target"), resolve(draft, role="draft") if draft else None, **kwargs)
+
+    @classmethod
     def from_pair(cls, name: str | None = None, **kwargs: Any) -> Engine:
         """A known target/draft pair by name (default: the built-in SmolLM2 pair, which needs no
         hub), fetched into the cache the first time; keyword arguments as for Engine()."""
