@@ -280,3 +280,29 @@ def test_closing_a_stream_early_ends_the_generation(pairs):
         assert stream.result.stats.generated < 200
         # the engine is free again, and exact
         assert engine.speculate(PROMPT, max_tokens=20).tokens == engine.generate(PROMPT, max_tokens=20).tokens
+
+
+def test_chat_without_a_template_in_the_file_uses_chatml(pairs):
+    from ikdflash.chat import CHATML, render
+    target, draft = pairs["llama"]
+    with Engine(target, draft, n_ctx=512, n_batch=16) as engine:
+        with pytest.raises(KeyError):
+            engine.target.metadata("tokenizer.chat_template")
+        answer = engine.chat([("user", "the river")], max_tokens=12)
+        prompt = render(CHATML, [("user", "the river")], add_generation_prompt=True)
+        tokens = engine.target.tokenize(prompt, add_special=False, parse_special=True)
+        assert answer.tokens == engine.generate(tokens, max_tokens=12).tokens
+        with pytest.raises(ValueError, match="needs 'role' and 'content'"):
+            engine.chat([{"content": "no role"}])
+
+
+def test_a_long_chat_template_is_read_whole(pairs, tmp_path):
+    """Metadata values were read into 512 bytes: a longer template (most real ones) came back cut."""
+    from ikdflash.chat import CHATML
+    from gguf_edit import rewrite
+    target, draft = pairs["llama"]
+    template = "{# " + "a long comment, as real templates have; " * 40 + "#}" + CHATML
+    with_template = rewrite(target, tmp_path / "templated.gguf", fields={"tokenizer.chat_template": template})
+    with Engine(with_template, draft, n_ctx=512, n_batch=16) as engine:
+        assert engine.target.metadata("tokenizer.chat_template") == template
+        assert engine.chat([("user", "the river")], max_tokens=4).stats.generated == 4

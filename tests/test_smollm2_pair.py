@@ -76,6 +76,22 @@ def test_a_streamed_chat_answer_ends_at_the_end_of_turn(pair, chats):
         assert engine.speculate(prompt, max_tokens=5).finish_reason == "length"
 
 
+def test_chat_applies_the_targets_template(pair):
+    """Engine.chat renders the GGUF's own template (read through the fork) and answers as
+    speculate() does on the rendered prompt."""
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "Say hello."}]
+    with Engine(*pair, n_ctx=2048, n_threads=2) as engine:
+        template = engine.target.metadata("tokenizer.chat_template")
+        assert template == chat_template(pair[0])
+        answer = engine.chat(messages, max_tokens=100)
+        prompt = render(template, [(m["role"], m["content"]) for m in messages], add_generation_prompt=True)
+        assert answer.tokens == engine.speculate(engine.target.tokenize(prompt, add_special=False, parse_special=True),
+                                                 max_tokens=100).tokens
+        assert answer.finish_reason == "eos" and "hello" in answer.text.lower()
+        assert "".join(engine.chat(messages, max_tokens=100, stream=True)) == answer.text
+
+
 def test_lossless_over_llama_server(pair, chats, tmp_path):
     target, draft = pair
     with Server(target, ctx_size=2048, n_threads=2, log_file=tmp_path / "plain.log") as url:

@@ -220,12 +220,19 @@ public:
 
     std::string meta(const std::string & key) const {
         ensure_open();
-        char buf[512];
-        const int n = llama_model_meta_val_str(model_, key.c_str(), buf, sizeof(buf));
+        // the call returns the full length: a value longer than the buffer (a chat template)
+        // is read again into one that fits
+        std::string value(512, '\0');
+        int n = llama_model_meta_val_str(model_, key.c_str(), value.data(), value.size());
+        if (n >= (int) value.size()) {
+            value.resize(n + 1);
+            n = llama_model_meta_val_str(model_, key.c_str(), value.data(), value.size());
+        }
         if (n < 0) {
             throw py::key_error(key);
         }
-        return std::string(buf, std::min<size_t>(n, sizeof(buf) - 1));
+        value.resize(n);
+        return value;
     }
 
 private:

@@ -9,7 +9,7 @@ Models without a template get ChatML, the format of most small instruct models.
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ikdflash.pair import gguf_field, open_gguf
 
@@ -19,6 +19,19 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n
 
 def chat_template(model: str | os.PathLike[str]) -> str:
     return str(gguf_field(open_gguf(model, "target"), "tokenizer.chat_template", CHATML))
+
+
+def messages_of(messages: Sequence[Mapping[str, str] | tuple[str, str]]) -> list[tuple[str, str]]:
+    """(role, content) pairs from OpenAI-style {"role", "content"} dicts or from pairs."""
+    out = []
+    for message in messages:
+        if isinstance(message, Mapping):
+            if "role" not in message or "content" not in message:
+                raise ValueError(f"a chat message needs 'role' and 'content': {dict(message)}")
+            message = (message["role"], message["content"])
+        role, content = message
+        out.append((str(role), str(content)))
+    return out
 
 
 def render(template: str, messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool = False) -> str:

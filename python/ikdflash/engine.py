@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ikdflash import _core
+from ikdflash.chat import CHATML, messages_of, render
 from ikdflash.model import Model
 from ikdflash.streaming import TextDecoder, TextStream
 
@@ -150,6 +151,20 @@ class Engine:
                  seed: int = 0, stop: Sequence[str] = (), stream: bool = False) -> SpeculationResult | TextStream:
         """Generate with the target alone, through the same loop (the baseline)."""
         return self._run(prompt, max_tokens, 0, temperature, seed, stop, stream)
+
+    def chat(self, messages: Sequence[Mapping[str, str] | tuple[str, str]], *, max_tokens: int = 256,
+             n_max: int = 4, temperature: float = 0.0, seed: int = 0, stop: Sequence[str] = (),
+             stream: bool = False) -> SpeculationResult | TextStream:
+        """Answer a conversation ({"role", "content"} dicts or (role, content) pairs) in the
+        target's own chat template (ChatML when the GGUF has none), as llama-server's Jinja path
+        renders it. With the target alone when the engine has no draft."""
+        try:
+            template = self.target.metadata("tokenizer.chat_template")
+        except KeyError:
+            template = CHATML
+        text = render(template, messages_of(messages), add_generation_prompt=True)
+        tokens = self.target.tokenize(text, add_special=False, parse_special=True)
+        return self._run(tokens, max_tokens, n_max if self.draft else 0, temperature, seed, stop, stream)
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int = 4,
                temperature: float = 0.0, seed: int = 0, stop: Sequence[str] = ()) -> TextStream:
