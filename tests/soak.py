@@ -106,7 +106,7 @@ def first_difference(got: dict, want: dict) -> tuple[int, float] | None:
 
 
 def soak_requests(target: Path, draft: Path, n_requests: int, seed: int, folder: Path,
-                  cancel_every: int = 10, clients: int = 3) -> RequestSoak:
+                  cancel_every: int = 10, clients: int = 3, server_args: tuple[str, ...] = ()) -> RequestSoak:
     rng = random.Random(seed)
     texts = prompts()
     # warm-up: every prompt with the longest reply, so both slots have touched the KV cells,
@@ -115,7 +115,7 @@ def soak_requests(target: Path, draft: Path, n_requests: int, seed: int, folder:
     jobs = warm + [(rng.randrange(len(texts)), rng.choice(REPLY_LENGTHS), i % cancel_every == cancel_every - 1)
                    for i in range(max(0, n_requests - len(warm)))]
     # the reference runs with the same slots and KV cache as the soak, one request at a time
-    slots = ["--parallel", "2"]
+    slots = ["--parallel", "2", *server_args]
     with Server(target, ctx_size=4096, n_threads=2, log_file=folder / "plain.log", extra_args=slots) as url:
         expected = {(p, n): post_json(url + "/completion", body(texts[p], n))
                     for p, n in sorted({(p, n) for p, n, cancel in jobs if not cancel})}
@@ -263,12 +263,16 @@ def main() -> int:
         tiny = tiny_pair(folder)
         ok = True
         if args.what in ("requests", "all"):
+            server_args: tuple[str, ...] = ()
             if args.tiny:
                 pair = tiny
             else:
                 from ikdflash.hub import DEFAULT_PAIR, resolve_pair
                 pair = resolve_pair(DEFAULT_PAIR)
-            soak = soak_requests(*pair, args.requests, args.seed, folder)
+                # the base's CPU flash attention asserts (iqk_fa_templates.h: S > 0) on SmolLM2
+                # with 2 slots, with or without a draft: soak the rest of the server without it
+                server_args = ("-fa", "off")
+            soak = soak_requests(*pair, args.requests, args.seed, folder, server_args=server_args)
             report["requests"] = {**soak.__dict__, "rss_growth": soak.rss_growth}
             print(f"requests: {soak.requests} ({soak.cancelled} cancelled) in {soak.seconds:.0f} s, "
                   f"{len(soak.errors)} errors, {len(soak.mismatches)} not lossless ({len(soak.tie_flips)} "
