@@ -405,3 +405,27 @@ def test_serve_passes_parallel_and_alias(pair, tmp_path):
         process.terminate()
         process.wait(timeout=30)
         process.stderr.close()
+
+
+def test_sigint_stops_serve_even_when_inherited_ignored(pair, tmp_path):
+    """A script's background job inherits SIGINT ignored, and Python then installs no handler:
+    before, `kill -INT` (or the soak's SIGINT) left serve and its server running."""
+    target, draft = pair
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "ikdflash.cli", "serve", "--target", str(target), "--draft",
+                                str(draft), "-c", "512", "--port", str(port), "--log-file", str(tmp_path / "s.log")],
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        while "ready at" not in (line := process.stderr.readline()):
+            assert line, "serve exited before it was ready"
+        servers = children(process.pid)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+        for pid in servers:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        process.kill()
+        process.wait()
+        process.stderr.close()

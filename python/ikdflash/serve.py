@@ -126,8 +126,10 @@ def run(args: argparse.Namespace) -> int:
     def request_stop(_signum: int, _frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM and SIGHUP (a closed terminal) stop the server as Ctrl-C does
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGHUP, request_stop)
+    # SIGINT too, explicitly: a process started in the background of a script inherits SIGINT
+    # ignored, and Python then installs no handler of its own, so Ctrl-C / kill -INT did nothing
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, request_stop)
     if server.port == 0:
         server.port = free_port(server.host)
     say(f"command: {shlex.join(server.command())}")
