@@ -15,7 +15,6 @@ tests/test_fuzz.py runs a small slice of it in the default test run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -23,12 +22,10 @@ import shutil
 import struct
 import sys
 import tempfile
-import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from fuzzing import Case, Worker, failures, summary
+from fuzzing import Case, Progress, Worker, arguments, finish
 
 WORKER = r"""
 import os, resource, sys
@@ -220,25 +217,9 @@ def run(cases: int, seed: int, timeout: float = 30.0, progress=lambda case: None
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", type=int, default=1000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds before a case counts as a hang")
-    parser.add_argument("--report", type=Path, help="write every case as JSON here")
-    args = parser.parse_args()
-    start = time.monotonic()
-
-    def progress(case: Case) -> None:
-        if case.index % 100 == 0:
-            print(f"{case.index}/{args.cases} cases, {time.monotonic() - start:.0f} s", flush=True)
-        if case.outcome in ("crash", "hang"):
-            print(f"case {case.index} {case.outcome}: {case.mutation}: {case.detail}", flush=True)
-
-    results = run(args.cases, args.seed, args.timeout, progress)
-    print(json.dumps(summary(results), sort_keys=True), f"in {time.monotonic() - start:.0f} s")
-    if args.report:
-        args.report.write_text(json.dumps([asdict(c) for c in results], indent=1))
-    return 1 if failures(results) else 0
+    args = arguments(__doc__.split("\n\n")[0], timeout=30.0).parse_args()
+    progress = Progress(args.cases)
+    return finish(run(args.cases, args.seed, args.timeout, progress), progress, args.report)
 
 
 if __name__ == "__main__":

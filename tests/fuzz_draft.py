@@ -14,20 +14,16 @@ tests/test_fuzz.py runs a small slice of it in the default test run.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import sys
 import tempfile
-import time
-from dataclasses import asdict
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-from fuzzing import Case, Worker, failures, summary
+from fuzzing import Case, Progress, Worker, arguments, finish
 
 WORKER = r"""
 import sys
@@ -162,12 +158,8 @@ def run(target: Path, draft: Path, cases: int, seed: int, server_every: int = 0,
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", type=int, default=1000)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = arguments(__doc__.split("\n\n")[0], timeout=20.0)
     parser.add_argument("--server-every", type=int, default=10, help="also load every N-th case in llama-server")
-    parser.add_argument("--timeout", type=float, default=20.0, help="seconds before a load counts as a hang")
-    parser.add_argument("--report", type=Path, help="write every case as JSON here")
     parser.add_argument("--target", type=Path, help="target GGUF (default: a tiny llama made here)")
     parser.add_argument("--draft", type=Path, help="draft GGUF to mutate (default: a tiny draft for the target)")
     args = parser.parse_args()
@@ -175,20 +167,9 @@ def main() -> int:
         target, draft = args.target, args.draft
         if target is None or draft is None:
             target, draft = tiny_pair(Path(folder))
-        start = time.monotonic()
-
-        def progress(case: Case) -> None:
-            if case.index % 100 == 0 and case.via == "core":
-                print(f"{case.index}/{args.cases} cases, {time.monotonic() - start:.0f} s", flush=True)
-            if case.outcome in ("crash", "hang"):
-                print(f"case {case.index} ({case.via}) {case.outcome}: {case.mutation}: {case.detail}", flush=True)
-
+        progress = Progress(args.cases)
         results = run(target, draft, args.cases, args.seed, args.server_every, args.timeout, progress)
-    counts = summary(results)
-    print(json.dumps(counts, sort_keys=True), f"in {time.monotonic() - start:.0f} s")
-    if args.report:
-        args.report.write_text(json.dumps([asdict(c) for c in results], indent=1))
-    return 1 if failures(results) else 0
+    return finish(results, progress, args.report)
 
 
 def tiny_pair(folder: Path) -> tuple[Path, Path]:

@@ -8,11 +8,15 @@ exit without a verdict) is a crash; no verdict within the timeout is a hang.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import selectors
 import subprocess
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Sequence
 
 
@@ -86,3 +90,41 @@ def summary(results: list[Case]) -> dict[str, int]:
 
 def failures(results: list[Case]) -> list[Case]:
     return [case for case in results if case.outcome in ("crash", "hang")]
+
+
+# --- the fuzzers' command line -------------------------------------------------------------------
+
+def arguments(description: str, timeout: float) -> argparse.ArgumentParser:
+    """The options every fuzzer takes; a fuzzer adds its own."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--cases", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=timeout, help="seconds before a case counts as a hang")
+    parser.add_argument("--report", type=Path, help="write every case as JSON here")
+    return parser
+
+
+class Progress:
+    """Prints every 100th case, and each crash or hang as it happens."""
+
+    def __init__(self, cases: int) -> None:
+        self.cases, self.start, self.printed = cases, time.monotonic(), -1
+
+    def __call__(self, case: Case) -> None:
+        if case.index % 100 == 0 and case.index != self.printed:
+            self.printed = case.index
+            print(f"{case.index}/{self.cases} cases, {self.elapsed:.0f} s", flush=True)
+        if case.outcome in ("crash", "hang"):
+            print(f"case {case.index} ({case.via}) {case.outcome}: {case.mutation}: {case.detail}", flush=True)
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+
+def finish(results: list[Case], progress: Progress, report: Path | None) -> int:
+    """Print the tally, write the report if asked; the exit code (1 on any crash or hang)."""
+    print(json.dumps(summary(results), sort_keys=True), f"in {progress.elapsed:.0f} s")
+    if report:
+        report.write_text(json.dumps([asdict(c) for c in results], indent=1))
+    return 1 if failures(results) else 0
