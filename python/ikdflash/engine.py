@@ -158,13 +158,17 @@ class Engine:
         """Answer a conversation ({"role", "content"} dicts or (role, content) pairs) in the
         target's own chat template (ChatML when the GGUF has none), as llama-server's Jinja path
         renders it. With the target alone when the engine has no draft."""
+        return self._run(self.chat_tokens(messages), max_tokens, n_max if self.draft else 0, temperature, seed,
+                         stop, stream)
+
+    def chat_tokens(self, messages: Sequence[Mapping[str, str] | tuple[str, str]]) -> list[int]:
+        """The prompt chat() sends: the conversation in the target's template, ready for its reply."""
         try:
             template = self.target.metadata("tokenizer.chat_template")
         except KeyError:
             template = CHATML
         text = render(template, messages_of(messages), add_generation_prompt=True)
-        tokens = self.target.tokenize(text, add_special=False, parse_special=True)
-        return self._run(tokens, max_tokens, n_max if self.draft else 0, temperature, seed, stop, stream)
+        return self.target.tokenize(text, add_special=False, parse_special=True)
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int = 4,
                temperature: float = 0.0, seed: int = 0, stop: Sequence[str] = ()) -> TextStream:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ikdflash.chat import chat_template, render
 from ikdflash.engine import Engine, SpeculationStats
 from ikdflash.hub import HubError, add_model_arguments, resolve_models
 
@@ -49,11 +48,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         target, draft = resolve_models(args)
-        if not args.raw:
-            messages = ([("system", args.system)] if args.system else []) + [("user", prompt)]
-            prompt = render(chat_template(target), messages, add_generation_prompt=True)
         with Engine(target, draft, n_ctx=args.ctx_size, n_threads=args.threads) as engine:
-            tokens = engine.target.tokenize(prompt, add_special=args.raw, parse_special=not args.raw)
+            if args.raw:
+                tokens = engine.target.tokenize(prompt)
+            else:
+                tokens = engine.chat_tokens(([("system", args.system)] if args.system else []) + [("user", prompt)])
             stream = engine.stream(tokens, max_tokens=args.max_tokens, n_max=args.n_max, stop=args.stop or ())
             for piece in stream:
                 print(piece, end="", flush=True)
