@@ -1,6 +1,7 @@
 """Loading targets in the fork, the tokenizer, greedy generation, and the errors bad files get."""
 
 
+import numpy as np
 import pytest
 
 from ikdflash import Model
@@ -42,6 +43,23 @@ def test_prompt_longer_than_a_batch_gives_the_same_tokens(tiny_model):
     with Model(path, n_ctx=512, n_batch=512) as whole, Model(path, n_ctx=512, n_batch=16) as chunked:
         assert whole.generate(prompt, max_tokens=12, stop_at_eog=False).tokens == \
             chunked.generate(prompt, max_tokens=12, stop_at_eog=False).tokens
+
+
+@pytest.mark.parametrize("n_embd", [96, 160])
+def test_quantized_rows_not_a_multiple_of_128_give_the_same_states_in_any_batch(tiny_model, n_embd):
+    """The CPU multiplies Q4_1 (and Q5_1) weights by a batch of 32 or more tokens in another
+    kernel, which lost a row's last blocks when its 32-wide block count was not a multiple of 4
+    (SmolLM2's 576 = 18 blocks): prompt states then depended on how the prompt was batched, so a
+    cached prompt, a second slot or a speculative step changed the reply."""
+    path = tiny_model("llama", n_embd=n_embd, n_head=n_embd // 16, n_head_kv=n_embd // 32, n_ff=256,
+                      weight_type="Q4_1")
+    with Model(path, n_ctx=256) as model:
+        tokens = model.tokenize(TEXT * 2, add_special=False)[:48]
+        whole, _ = model._native.layer_features(tokens, [model.n_layer - 2])
+    with Model(path, n_ctx=256, n_batch=8) as model:
+        chunked, _ = model._native.layer_features(tokens, [model.n_layer - 2])
+    error = np.abs(whole - chunked).max() / np.abs(chunked).max()
+    assert error < 0.02, f"states differ by {100 * error:.1f}% between a batch of 48 and batches of 8"
 
 
 def test_generation_stops_at_the_context_limit(tiny_model):

@@ -75,6 +75,9 @@ class TinySpec:
     ssm_time_step_rank: int = 4
     # Rotary dims per head; 0 = all of head_dim. llama/qwen3 graphs require all of it.
     rope_dim: int = 0
+    # GGML type of the projection matrices ("F32", or a block quant gguf-py writes, e.g.
+    # "Q4_1"): the CPU kernels for quantized weights take other paths than F32's.
+    weight_type: str = "F32"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -82,6 +85,8 @@ class TinySpec:
             raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
         if self.n_head % self.n_head_kv:
             raise ValueError("n_head must be a multiple of n_head_kv")
+        if self.weight_type not in gguf.GGMLQuantizationType.__members__:
+            raise ValueError(f"weight_type: not a GGML type: {self.weight_type!r}")
         if self.rope_dim and (self.arch != "qwen35moe" or self.rope_dim % 2 or self.rope_dim > self.head_dim):
             raise ValueError("rope_dim: qwen35moe only, even and <= head_dim")
         if self.arch == "qwen35moe":
@@ -413,6 +418,17 @@ def build_tensors(spec: TinySpec) -> dict[str, np.ndarray]:
     return w.tensors
 
 
+def _add_weight(writer: gguf.GGUFWriter, spec: TinySpec, name: str, value: np.ndarray) -> None:
+    """A projection matrix in spec.weight_type; norms, embeddings and vectors stay F32."""
+    qtype = gguf.GGMLQuantizationType[spec.weight_type]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if qtype == gguf.GGMLQuantizationType.F32 or value.ndim < 2 or name == "token_embd.weight" \
+            or value.shape[-1] % block:
+        writer.add_tensor(name, value)
+        return
+    writer.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+
+
 def write_tiny_model(path: str | os.PathLike[str], spec: TinySpec | None = None, *,
                      arch: str | None = None, **overrides) -> Path:
     """Write a tiny random-weight GGUF model and return its path.
@@ -434,7 +450,7 @@ def write_tiny_model(path: str | os.PathLike[str], spec: TinySpec | None = None,
         _add_hparams(writer, spec)
         add_tokenizer(writer)
         for name, value in build_tensors(spec).items():
-            writer.add_tensor(name, value)
+            _add_weight(writer, spec, name, value)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
