@@ -51,3 +51,54 @@ def test_ctrl_c_ends_a_command_with_one_line(tiny_model, tiny_draft, tmp_path):
     assert process.returncode == 130, err
     assert err.strip().endswith("ikdflash convert: interrupted") and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "hf"]
+
+
+def chat_pair(tiny_model, tiny_draft):
+    target = tiny_model("llama")
+    return target, tiny_draft(target, target_layer_ids=[0, 2], layer_types=["sliding_attention", "full_attention"],
+                              sliding_window=8)
+
+
+def test_chat_answers_each_turn_with_the_conversation_so_far(tiny_model, tiny_draft):
+    import subprocess
+    from ikdflash import Engine
+    target, draft = chat_pair(tiny_model, tiny_draft)
+    chat = ["ikdflash", "chat", "--target", str(target), "--draft", str(draft), "--max-tokens", "6", "--threads", "2"]
+    out = subprocess.run(chat, input="the river\n\nand the town\n/reset\nand the town\n", capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    replies = out.stdout.split("\n")[:3]
+    stats = [line for line in out.stderr.splitlines() if line.startswith("dflash: ")]
+    assert len(stats) == 3 and all("acceptance" in line for line in stats)
+    assert "(a new conversation)" in out.stderr
+    with Engine(target, draft, n_ctx=4096, n_threads=2) as engine:
+        first = engine.chat([("user", "the river")], max_tokens=6).text
+        second = engine.chat([("user", "the river"), ("assistant", first), ("user", "and the town")], max_tokens=6).text
+        fresh = engine.chat([("user", "and the town")], max_tokens=6).text
+    assert replies == [first, second, fresh]
+
+
+def test_chat_drops_the_oldest_turns_and_ctrl_c_stops_a_reply(tiny_model, tiny_draft):
+    import signal
+    import subprocess
+    target, draft = chat_pair(tiny_model, tiny_draft)
+    proc = subprocess.Popen(["ikdflash", "chat", "--target", str(target), "--draft", str(draft), "-c", "512",
+                             "--max-tokens", "400", "--threads", "2"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(3):  # three exchanges of ~100 + 400 tokens outgrow a context of 512
+            proc.stdin.write("the river town and its bridges " * 12 + "\n")
+            proc.stdin.flush()
+            proc.stdout.readline()
+        proc.stdin.write("tell me everything\n")
+        proc.stdin.flush()
+        proc.stdout.read(1)  # the reply has started
+        proc.send_signal(signal.SIGINT)
+        proc.stdin.write("/exit\n")
+        proc.stdin.flush()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "oldest exchange" in err and "no longer fit the context of 512 tokens" in err
+    assert "(stopped)" in err and "Traceback" not in err

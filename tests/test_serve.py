@@ -3,6 +3,7 @@ every refusal with its message; the --spec-type grammar shared with the fork."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -429,3 +430,23 @@ def test_sigint_stops_serve_even_when_inherited_ignored(pair, tmp_path):
         process.kill()
         process.wait()
         process.stderr.close()
+
+
+def test_doctor_probe_says_whether_dflash_pays(pair):
+    target, draft = pair
+    out = subprocess.run(["ikdflash", "doctor", "--probe", "--probe-tokens", "16", "--target", str(target),
+                          "--draft", str(draft), "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    probe = json.loads(out.stdout)["probe"]
+    assert probe["identical"] and probe["replies"] == 3 and 3 <= probe["tokens"] <= 48
+    assert probe["speedup"] == pytest.approx(probe["dflash_tokens_per_second"] / probe["target_tokens_per_second"])
+    assert probe["verdict"] == ("pays" if probe["speedup"] >= 1.05 else
+                                "costs time" if probe["speedup"] <= 1 / 1.05 else "about breaks even")
+    text = subprocess.run(["ikdflash", "doctor", "--probe", "--probe-tokens", "8", "--target", str(target),
+                           "--draft", str(draft)], capture_output=True, text=True, timeout=300).stdout
+    assert "probe           3 chat replies" in text and "verdict         DFlash " in text
+
+
+def test_doctor_without_a_pair_loads_no_model():
+    out = subprocess.run(["ikdflash", "doctor", "--json"], capture_output=True, text=True, timeout=60)
+    assert "pair" not in json.loads(out.stdout) and "probe" not in json.loads(out.stdout)

@@ -329,3 +329,22 @@ def test_the_reuse_line_is_logged_once_per_request(swa_pairs, tmp_path):
     steps = [completion(STORY * 2, 4), completion(STORY * 2 + OTHER, 4)]
     _, _, log = side_by_side(target, draft, tmp_path, steps, args=["--batch-size", "32", "--ubatch-size", "32"])
     assert log.count("dflash: the draft keeps its context rows") == 2
+
+
+@pytest.mark.parametrize("flash_attention", ["on", "off"])
+def test_a_second_slot_sees_its_own_keys(tiny_model, tmp_path, flash_attention):
+    """Slot 1's prompt sits in cells after slot 0's, inside blocks whose first key is slot 0's:
+    the CPU flash attention judged a block of query rows by its last row and each key block by its
+    first key, so it skipped slot 1's keys (GGML_ASSERT(S > 0) killed the server). Head size 64
+    takes the kernel's blocked path, as SmolLM2's does."""
+    target = tiny_model("llama", n_embd=128, n_head=2, n_head_kv=1, head_dim=64)
+    steps = [completion(STORY, 8, n_probs=1), completion(OTHER, 8, n_probs=1)]
+    args = ["-fa", flash_attention]
+    with Server(target, ctx_size=1024, n_threads=2, log_file=tmp_path / "one.log", extra_args=args) as url:
+        alone = [post_json(url + "/completion", {**step, "cache_prompt": False}) for step in steps]
+    with Server(target, ctx_size=1024, n_threads=2, log_file=tmp_path / "two.log",
+                extra_args=[*args, "--parallel", "2"]) as url:
+        replies = run(url, steps)
+    assert [r["id_slot"] for r in replies] == [0, 1]
+    assert [r["content"] for r in replies] == [r["content"] for r in alone]
+    assert_same_top_probabilities(alone, replies)

@@ -3,16 +3,29 @@
     ikdflash doctor                                   # version, fork base and patches, backends, llama-server
     ikdflash doctor --json                            # the same, machine-readable
     ikdflash doctor --target T.gguf --draft D.gguf    # also: does this draft fit this target, and why not
+    ikdflash doctor --probe [--pair NAME]             # also: does DFlash pay on this machine (a short run)
+
+--probe generates a few chat replies with the draft and with the target alone, alternating, and
+says with figures whether the draft pays here: acceptance, mean acceptance length, tokens/s both
+ways and their ratio, and whether the replies were identical (they must be at temperature 0).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
 from ikdflash import _core, fork
+from ikdflash.engine import Engine, SpeculationStats
+from ikdflash.hub import HubError, add_model_arguments, resolve_models
 from ikdflash.pair import check_pair
+
+PROBE_QUESTIONS = ("Explain rainbows to a child.", "Give me a recipe for a simple tomato soup.",
+                   "What are three good habits for writing maintainable code?")
+PAYS = 1.05  # a speed-up above this pays; below 1 / PAYS the draft costs time
 
 
 def collect() -> dict[str, Any]:
@@ -40,29 +53,67 @@ def collect() -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--target", help="a target GGUF to check against --draft")
-    parser.add_argument("--draft", help="a DFlash draft GGUF to check against --target")
+    add_model_arguments(parser)
     parser.add_argument("--cross-ctx", type=int, help="the cross_ctx you plan to serve with")
+    parser.add_argument("--probe", action="store_true", help="run a short speculation (the built-in pair unless "
+                        "--pair or --target/--draft) and say whether DFlash pays on this machine")
+    parser.add_argument("--probe-tokens", type=int, default=128, help="tokens per probe reply (default 128)")
+    parser.add_argument("--threads", type=int)
 
 
-def check_files(args: argparse.Namespace, report: dict[str, Any]) -> None:
-    if not (args.target or args.draft):
-        return
-    if not (args.target and args.draft):
-        report["problems"].append("pair: give both --target and --draft")
-        return
+def check_files(args: argparse.Namespace, report: dict[str, Any]) -> tuple[Path, Path] | None:
+    """The pair's files when the command names one (or --probe wants the default), checked."""
+    if not (args.target or args.draft or args.pair or args.probe):
+        return None
     try:
-        pair = check_pair(args.target, args.draft, cross_ctx=args.cross_ctx)
-    except (FileNotFoundError, ValueError) as e:
+        target, draft = resolve_models(args)
+        pair = check_pair(target, draft, cross_ctx=args.cross_ctx)
+    except (HubError, FileNotFoundError, ValueError) as e:
         report["problems"].append(f"pair: {e}")
-        return
-    report["pair"] = {"facts": pair.facts, "warnings": pair.warnings}
+        return None
+    report["pair"] = {"target": str(target), "draft": str(draft), "facts": pair.facts, "warnings": pair.warnings}
     report["problems"] += [f"pair: {p}" for p in pair.problems]
+    return None if pair.problems else (target, draft)
+
+
+def probe(target: Path, draft: Path, max_tokens: int, n_threads: int | None) -> dict[str, Any]:
+    """Chat replies with the draft and with the target alone, alternating so that both see the
+    same machine load; the figures summed over the replies."""
+    totals = {"dflash": [], "target": []}
+    identical = True
+    with Engine(target, draft, n_ctx=1024 + max_tokens, n_threads=n_threads) as engine:
+        for question in PROBE_QUESTIONS:
+            tokens = engine.chat_tokens([("user", question)])
+            spec = engine.speculate(tokens, max_tokens=max_tokens)
+            plain = engine.generate(tokens, max_tokens=max_tokens)
+            totals["dflash"].append(spec.stats)
+            totals["target"].append(plain.stats)
+            identical &= spec.tokens == plain.tokens
+
+    def total(stats: list[SpeculationStats]) -> SpeculationStats:
+        return SpeculationStats(**{name: sum(getattr(s, name) for s in stats) for name in
+                                   ("prompt_tokens", "generated", "drafted", "accepted", "steps", "prompt_time",
+                                    "draft_time", "verify_time")})
+
+    spec, plain = total(totals["dflash"]), total(totals["target"])
+    speedup = spec.tokens_per_second / plain.tokens_per_second if plain.tokens_per_second else 0.0
+    verdict = ("pays" if speedup >= PAYS else "costs time" if speedup <= 1 / PAYS else "about breaks even")
+    return {"replies": len(PROBE_QUESTIONS), "tokens": spec.generated, "acceptance": spec.acceptance,
+            "mean_acceptance_length": spec.mean_acceptance_length, "dflash_tokens_per_second": spec.tokens_per_second,
+            "target_tokens_per_second": plain.tokens_per_second, "speedup": speedup, "verdict": verdict,
+            "identical": identical}
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.probe_tokens < 1:
+        print("ikdflash doctor: error: --probe-tokens must be at least 1", file=sys.stderr)
+        return 2
     report = collect()
-    check_files(args, report)
+    pair = check_files(args, report)
+    if args.probe and pair:
+        report["probe"] = probe(*pair, args.probe_tokens, args.threads)
+        if not report["probe"]["identical"]:
+            report["problems"].append("probe: the replies with the draft differ from the target's own at temperature 0")
     if args.json:
         print(json.dumps(report, indent=2))
         return 1 if report["problems"] else 0
@@ -81,6 +132,12 @@ def run(args: argparse.Namespace) -> int:
               f"{facts['target_layers']} ({facts['target_arch']}, hidden {facts['target_hidden']})")
         for warning in report["pair"]["warnings"]:
             print(f"warning: {warning}")
+    if "probe" in report:
+        p = report["probe"]
+        print(f"probe           {p['replies']} chat replies, {p['tokens']} tokens: acceptance {p['acceptance']:.1%}, "
+              f"tau {p['mean_acceptance_length']:.2f}; {p['dflash_tokens_per_second']:.1f} tok/s with the draft, "
+              f"{p['target_tokens_per_second']:.1f} without")
+        print(f"verdict         DFlash {p['verdict']} on this machine: {p['speedup']:.2f}x")
     for problem in report["problems"]:
         print(f"problem: {problem}")
     return 1 if report["problems"] else 0

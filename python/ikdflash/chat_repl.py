@@ -1,0 +1,147 @@
+"""Chat with a model in the terminal, with DFlash drafting each reply.
+
+    ikdflash chat                                    # the built-in pair
+    ikdflash chat --pair NAME --system "You are a terse assistant."
+    ikdflash chat --target T.gguf --draft D.gguf --no-stats
+
+Each turn goes through the target's own chat template with the whole conversation so far.
+Replies stream as each verification step commits them; a line on stderr follows with tokens,
+speed, acceptance and mean acceptance length. Ctrl-C stops a reply (what was said stays in the
+conversation), Ctrl-D or /exit leaves, /reset starts a new conversation. Line editing and
+history (kept in ~/.cache/ikdflash/chat_history) come from readline where Python has it. When
+the conversation outgrows the context, its oldest turns are dropped, and the chat says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from ikdflash.engine import Engine
+from ikdflash.generate import summary
+from ikdflash.hub import HubError, add_model_arguments, resolve_models
+
+HISTORY = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ikdflash" / "chat_history"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--system", help="a system message that opens the conversation")
+    parser.add_argument("--max-tokens", type=int, default=512, help="tokens per reply at most (default 512)")
+    parser.add_argument("--n-max", type=int, default=4, help="draft tokens per step (default 4)")
+    parser.add_argument("-c", "--ctx-size", type=int, default=4096)
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--no-stats", action="store_true", help="no statistics line after each reply")
+
+
+def enable_history() -> None:
+    """Line editing and a persistent history, where Python was built with readline."""
+    try:
+        import atexit
+        import readline
+    except ImportError:
+        return
+    try:
+        readline.read_history_file(HISTORY)
+    except OSError:
+        pass
+
+    def save() -> None:
+        try:
+            HISTORY.parent.mkdir(parents=True, exist_ok=True)
+            readline.set_history_length(1000)
+            readline.write_history_file(HISTORY)
+        except OSError:
+            pass
+
+    atexit.register(save)
+
+
+class Conversation:
+    """The messages so far, trimmed (oldest turns first, the system message kept) to leave room
+    for a reply in the context."""
+
+    def __init__(self, engine: Engine, system: str | None, reply_room: int) -> None:
+        self.engine, self.reply_room = engine, reply_room
+        self.opening = [("system", system)] if system else []
+        self.turns: list[tuple[str, str]] = []
+
+    def prompt(self) -> tuple[list[int], int]:
+        """The tokens for the next reply, and how many earlier turns were dropped to fit."""
+        dropped = 0
+        tokens = self.engine.chat_tokens(self.opening + self.turns)
+        while len(tokens) + self.reply_room > self.engine.target.n_ctx and len(self.turns) > 2:
+            del self.turns[:2]  # the oldest question and its answer
+            dropped += 1
+            tokens = self.engine.chat_tokens(self.opening + self.turns)
+        return tokens, dropped
+
+
+def reply(engine: Engine, tokens: list[int], args: argparse.Namespace) -> tuple[str, str]:
+    """Stream one reply to stdout; (its text, the statistics line). Ctrl-C ends it early."""
+    n_max = args.n_max if engine.draft is not None else 0
+    stream = engine.stream(tokens, max_tokens=args.max_tokens, n_max=n_max)
+    stopped = False
+    try:
+        for piece in stream:
+            print(piece, end="", flush=True)
+    except KeyboardInterrupt:
+        stopped = True
+        stream.close()  # the generation ends after its current step
+    print()
+    out = stream.result
+    assert out is not None and out.stats is not None
+    return out.text, summary("dflash" if n_max else "target", out.stats, "stopped" if stopped else out.finish_reason)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_tokens < 1 or args.n_max < 1:
+        print("ikdflash chat: error: --max-tokens and --n-max must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        target, draft = resolve_models(args)
+        engine = Engine(target, draft, n_ctx=args.ctx_size, n_threads=args.threads)
+    except (HubError, FileNotFoundError, ValueError) as e:
+        print(f"ikdflash chat: error: {e}", file=sys.stderr)
+        return 2
+    interactive = sys.stdin.isatty()
+    if interactive:
+        enable_history()
+        print(f"ikdflash chat: {target.name} with {draft.name}. Ctrl-C stops a reply, Ctrl-D or /exit leaves, "
+              "/reset starts over.", file=sys.stderr)
+    conversation = Conversation(engine, args.system, args.max_tokens)
+    with engine:
+        while True:
+            try:
+                line = input("> " if interactive else "")
+            except EOFError:
+                break
+            except KeyboardInterrupt:  # at the prompt: a fresh line, as shells do
+                print()
+                continue
+            text = line.strip()
+            if not text:
+                continue
+            if text == "/exit":
+                break
+            if text == "/reset":
+                conversation.turns.clear()
+                print("(a new conversation)", file=sys.stderr)
+                continue
+            conversation.turns.append(("user", text))
+            tokens, dropped = conversation.prompt()
+            if dropped:
+                print(f"(the {dropped} oldest exchange{'s' if dropped > 1 else ''} no longer fit the context "
+                      f"of {engine.target.n_ctx} tokens and were dropped)", file=sys.stderr)
+            try:
+                answer, stats = reply(engine, tokens, args)
+            except ValueError as e:  # e.g. one message longer than the context
+                print(f"ikdflash chat: error: {e}", file=sys.stderr)
+                conversation.turns.pop()
+                continue
+            conversation.turns.append(("assistant", answer))
+            if not args.no_stats:
+                print(stats, file=sys.stderr)
+    return 0
