@@ -1,5 +1,5 @@
 """A slice of tests/soak.py (the full soak is its own command, see the README): llama-server with
-DFlash on 2 slots stays lossless, error-free and flat in memory under concurrent requests with
+DFlash on 2 slots keeps the target's choice of every token, error-free and flat in memory under concurrent requests with
 hang-ups, and `ikdflash serve` never leaves a server or a busy port behind, however it stops."""
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ def test_concurrent_requests_with_hang_ups(swa_pairs, tmp_path):
     soak = soak_requests(*swa_pairs["llama"], n_requests=40, seed=7, folder=tmp_path)
     assert soak.requests == 40 and soak.cancelled >= 2
     assert not soak.errors and not soak.mismatches, soak.errors + soak.mismatches
+    # an F32 model rounds alike in any batch but for near-ties: only those may turn
+    assert all(gap < 0.02 for _, gap in soak.diverged), soak.diverged
     assert soak.rss_growth < 0.05, (soak.rss_warm_kib, soak.rss_end_kib)
 
 
