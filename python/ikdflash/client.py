@@ -26,20 +26,27 @@ class Completion:
     raw: dict[str, Any] = field(default_factory=dict)
 
 
-def _request(url: str, body: dict[str, Any], api_key: str | None) -> urllib.request.Request:
+def _request(url: str, body: dict[str, Any] | None, api_key: str | None) -> urllib.request.Request:
+    """A POST of body as JSON, or a GET when body is None."""
     headers = {"Content-Type": "application/json"}
     api_key = api_key or os.environ.get("IKDFLASH_API_KEY")
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    return urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    return urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(), headers=headers)
 
 
-def post_json(url: str, body: dict[str, Any], timeout: float = 300.0, api_key: str | None = None) -> dict[str, Any]:
+def post_json(url: str, body: dict[str, Any] | None, timeout: float = 300.0,
+              api_key: str | None = None) -> dict[str, Any]:
+    """POST body (GET when it is None) and return the JSON reply."""
     try:
         with urllib.request.urlopen(_request(url, body, api_key), timeout=timeout) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as e:
         raise ServerError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')}") from None
+
+
+def get_json(url: str, timeout: float = 300.0, api_key: str | None = None) -> dict[str, Any]:
+    return post_json(url, None, timeout, api_key)
 
 
 def stream_json(url: str, body: dict[str, Any], timeout: float = 300.0,
