@@ -68,6 +68,7 @@ class RequestSoak:
     diverged: list[tuple[str, float]] = field(default_factory=list)
     rss_warm_kib: int = 0
     rss_end_kib: int = 0
+    rss_kib_by_request: list[tuple[int, int]] = field(default_factory=list)  # (requests done, RSS) after each
     seconds: float = 0.0
 
     @property
@@ -151,6 +152,7 @@ def soak_requests(target: Path, draft: Path, n_requests: int, seed: int, folder:
             result.errors.append(f"prompt {p}, {n} tokens: {e}")
         finally:
             result.requests += 1
+            result.rss_kib_by_request.append((result.requests, rss_kib(server.process.pid)))
 
     start = time.monotonic()
     with server as url, ThreadPoolExecutor(clients) as pool:
@@ -284,6 +286,10 @@ def main() -> int:
                   f"{len(soak.errors)} errors, {len(soak.mismatches)} not lossless; {len(soak.diverged)} of "
                   f"{soak.requests - soak.cancelled} replies unlike the one-at-a-time reference; RSS "
                   f"{soak.rss_warm_kib} -> {soak.rss_end_kib} KiB ({100 * soak.rss_growth:+.2f}%)")
+            samples = soak.rss_kib_by_request
+            print("  RSS (KiB) after " + ", ".join(f"{samples[k][0]} requests: {samples[k][1]}"
+                                                 for k in (len(samples) // 4, len(samples) // 2, 3 * len(samples) // 4,
+                                                           len(samples) - 1)))
             for line in soak.errors[:5] + soak.mismatches[:5] + [what for what, _ in soak.diverged[:3]]:
                 print("  " + line[:300])
             ok &= soak.ok

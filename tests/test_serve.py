@@ -153,6 +153,9 @@ def test_spec_type_grammar_round_trip():
         SpecType.parse("dflash:colour=red")
     with pytest.raises(SpecTypeError, match="p_min must be a number in"):
         SpecType(p_min=2.0)
+    assert SpecType.parse("dflash:min_accept=0.25") == SpecType(min_accept=0.25)
+    with pytest.raises(SpecTypeError, match="min_accept must be a number in"):
+        SpecType(min_accept=-0.5)
 
 
 def test_doctor_checks_a_pair(pair, tmp_path):

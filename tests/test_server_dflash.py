@@ -101,9 +101,53 @@ def test_statistics_add_up_and_reach_metrics(oracle_pair, tmp_path):
         metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
     t = reply["timings"]
     assert t["draft_n"] == t["draft_n_accepted"] == 16  # 4 steps of 4, then one token of the target's own
+    assert t["draft_steps"] == 4 and t["draft_mean_accept_len"] == 5.0
+    assert t["draft_drafted_at"] == t["draft_accepted_at"] == [4, 4, 4, 4]
     assert "llamacpp:draft_tokens_total 16" in metrics
     assert "llamacpp:draft_tokens_accepted_total 16" in metrics
+    assert "llamacpp:draft_steps_total 4" in metrics
     assert "dflash: cross_ctx = 64, block = 8" in (tmp_path / "s.log").read_text()
+
+
+def test_low_acceptance_is_logged_and_min_accept_stops_drafting(swa_pairs, tmp_path):
+    """The random draft accepts (almost) nothing: the server says so once per request, and with
+    min_accept it stops drafting after 16 steps; the reply stays the target's. /slots shows each
+    slot's figures by draft position."""
+    import json
+    target, draft = swa_pairs["llama"]
+    body = {"prompt": PROMPT, "n_predict": 64, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+    with Server(target, ctx_size=CTX, n_threads=2, log_file=tmp_path / "plain.log") as url:
+        plain = post_json(url + "/completion", body)["content"]
+    log = tmp_path / "low.log"
+    with Server(target, ctx_size=CTX, n_threads=2, log_file=log, extra_args=dflash_args(draft)) as url:
+        drafting = [post_json(url + "/completion", body) for _ in range(2)]
+        slots = json.loads(urllib.request.urlopen(url + "/slots", timeout=30).read())
+    assert [r["content"] for r in drafting] == [plain, plain]
+    t = drafting[-1]["timings"]
+    assert t["draft_steps"] > 16 and t["draft_drafted_at"][0] == t["draft_steps"]
+    assert sum(t["draft_drafted_at"]) == t["draft_n"] and sum(t["draft_accepted_at"]) == t["draft_n_accepted"]
+    assert t["draft_mean_accept_len"] == pytest.approx((t["draft_n_accepted"] + t["draft_steps"]) / t["draft_steps"])
+    assert slots[0]["speculation"]["draft_steps"] == t["draft_steps"]
+    assert slots[0]["speculation"]["draft_accepted_at"] == t["draft_accepted_at"]
+    assert log.read_text().count("low acceptance: ") == 2  # once per request
+    log = tmp_path / "min.log"
+    args = dflash_args(draft, SpecType(n_max=4, min_accept=0.5))
+    with Server(target, ctx_size=CTX, n_threads=2, log_file=log, extra_args=args) as url:
+        stopped = post_json(url + "/completion", body)
+    assert stopped["content"] == plain
+    assert stopped["timings"]["draft_steps"] == 16 and stopped["timings"]["draft_n"] == 64
+    assert "is below min_accept 50.0%: drafting stops for this request" in log.read_text()
+
+
+def test_a_token_with_part_of_a_character_is_escaped_in_n_probs(tmp_path):
+    """SmolLM2's vocabulary holds tokens that are part of a UTF-8 character: with every token
+    among the n_probs the response failed (HTTP 500, 'incomplete UTF-8 string')."""
+    from ikdflash.hub import DEFAULT_PAIR, resolve_pair
+    target, _ = resolve_pair(DEFAULT_PAIR)
+    with Server(target, ctx_size=256, n_threads=2, log_file=tmp_path / "s.log") as url:
+        reply = post_json(url + "/completion", {"prompt": "Hello", "n_predict": 1, "n_probs": 50000})
+    texts = [p["tok_str"] for p in reply["completion_probabilities"][0]["probs"]]
+    assert len(texts) == 49152 and any("\\x" in t for t in texts)
 
 
 def test_drafts_past_a_stop_are_not_counted(oracle_pair, tmp_path):
@@ -194,6 +238,7 @@ def test_mainline_spellings_are_accepted(swa_pairs, tmp_path):
     ("dflash:n_max=4,colour=red", True, "unknown key 'colour'"),
     ("dflash:cross_ctx=0", True, "cross_ctx must be at least 1, got 0"),
     ("dflash:n_max=four", True, "n_max=four is not an integer"),
+    ("dflash:min_accept=2", True, "min_accept must be a number in [0, 1], got '2'"),
     ("dflash:n_max=4", False, "--spec-type dflash needs the DFlash draft: pass it with --model-draft"),
     # 4 slots x 5 verification rows do not fit a batch of 16: an assert at the first busy step, before
     ("dflash:n_max=4", ["--parallel", "4", "--batch-size", "16", "--ubatch-size", "16"],

@@ -11,6 +11,15 @@ using dflash_impl::guarded;
 
 namespace {
 
+float parse_fraction(const std::string & key, const std::string & value) {
+    char * end = nullptr;
+    const float v = strtof(value.c_str(), &end);
+    if (value.empty() || *end != '\0' || !(v >= 0.0f && v <= 1.0f)) {
+        fail("--spec-type dflash: %s must be a number in [0, 1], got '%s'", key.c_str(), value.c_str());
+    }
+    return v;
+}
+
 long parse_int(const std::string & key, const std::string & value, long min) {
     char * end = nullptr;
     const long v = strtol(value.c_str(), &end, 10);
@@ -49,12 +58,9 @@ int dflash_parse_spec_options(const char * text, dflash_spec_options * options) 
             } else if (key == "n_min") {
                 options->n_min = (int32_t) parse_int(key, value, 0);
             } else if (key == "p_min") {
-                char * stop = nullptr;
-                const float p = strtof(value.c_str(), &stop);
-                if (value.empty() || *stop != '\0' || p < 0.0f || p > 1.0f) {
-                    fail("--spec-type dflash: p_min must be a number in [0, 1], got '%s'", value.c_str());
-                }
-                options->p_min = p;
+                options->p_min = parse_fraction(key, value);
+            } else if (key == "min_accept") {
+                options->min_accept = parse_fraction(key, value);
             } else if (key == "cross_ctx" || key == "dflash_cross_ctx") {
                 options->cross_ctx = (int32_t) parse_int(key, value, 1);
             } else if (key == "full_attention") {
@@ -63,7 +69,7 @@ int dflash_parse_spec_options(const char * text, dflash_spec_options * options) 
                 options->log_drafts = parse_int(key, value, 0) != 0;
             } else {
                 fail("--spec-type dflash: unknown key '%s' (known: n_max, n_min, p_min, cross_ctx, "
-                     "dflash_cross_ctx, full_attention, log_drafts)", key.c_str());
+                     "dflash_cross_ctx, full_attention, log_drafts, min_accept)", key.c_str());
             }
         }
         return 0;

@@ -219,6 +219,7 @@ struct dflash_spec_options {
     int32_t cross_ctx;
     bool    full_attention;
     bool    log_drafts;      // ours: log every proposal (tests compare them across server paths)
+    float   min_accept;      // ours: stop drafting for a request whose recent acceptance is below this (0: never)
 };
 
 // Parse the part after "dflash:" into options (fields not named keep their values). Returns 0,

@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-max", type=int, default=4, help="draft tokens per step (default 4)")
     parser.add_argument("--cross-ctx", type=int, help="context rows the draft keeps (default: the context size)")
     parser.add_argument("--full-attention", action="store_true", help="ignore the draft's sliding windows")
+    parser.add_argument("--min-accept", type=float, help="stop drafting for a request whose acceptance over its "
+                        "last 16 steps falls below this fraction (default: never; a low one is logged)")
     parser.add_argument("-c", "--ctx-size", type=int, default=8192, help="context size (default 8192)")
     parser.add_argument("--gpu-layers", type=int, help="target layers on the GPU (llama-server -ngl)")
     parser.add_argument("--gpu-layers-draft", type=int,
@@ -62,7 +64,8 @@ def say(message: str) -> None:
 
 
 def build_server(args: argparse.Namespace) -> Server:
-    spec = SpecType(n_max=args.n_max, cross_ctx=args.cross_ctx, full_attention=args.full_attention)
+    spec = SpecType(n_max=args.n_max, cross_ctx=args.cross_ctx, full_attention=args.full_attention,
+                    min_accept=args.min_accept)
     extra = ["--model-draft", str(args.draft.resolve()), "--spec-type", spec.flag()]
     if args.parallel != 1:
         extra += ["--parallel", str(args.parallel)]

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-KEYS = ("n_max", "n_min", "p_min", "cross_ctx", "full_attention", "log_drafts")
+KEYS = ("n_max", "n_min", "p_min", "cross_ctx", "full_attention", "log_drafts", "min_accept")
 SWITCHES = ("full_attention", "log_drafts")  # 0/1 on the command line
+FRACTIONS = ("p_min", "min_accept")
 ALIASES = {"dflash_cross_ctx": "cross_ctx"}
 
 
@@ -32,14 +33,17 @@ class SpecType:
     cross_ctx: int | None = None
     full_attention: bool = False
     log_drafts: bool = False  # the server logs every proposal (for comparing runs)
+    min_accept: float | None = None  # stop drafting for a request whose last 16 steps accept less
 
     def __post_init__(self) -> None:
         for name, low in (("n_max", 1), ("n_min", 0), ("cross_ctx", 1)):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < low):
                 raise SpecTypeError(f"--spec-type dflash: {name} must be at least {low}, got {value}")
-        if self.p_min is not None and not 0.0 <= self.p_min <= 1.0:
-            raise SpecTypeError(f"--spec-type dflash: p_min must be a number in [0, 1], got {self.p_min}")
+        for name in FRACTIONS:
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise SpecTypeError(f"--spec-type dflash: {name} must be a number in [0, 1], got {value}")
 
     def flag(self) -> str:
         """The value of --spec-type."""
@@ -63,7 +67,7 @@ class SpecType:
                 raise SpecTypeError(f"--spec-type dflash: unknown key '{key}' (known: {', '.join(KEYS)}, "
                                     "dflash_cross_ctx)")
             try:
-                values[key] = float(value) if key == "p_min" else int(value)
+                values[key] = float(value) if key in FRACTIONS else int(value)
             except ValueError:
                 raise SpecTypeError(f"--spec-type dflash: {key}={value} is not a number") from None
         for name in SWITCHES:
