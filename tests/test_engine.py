@@ -306,3 +306,80 @@ def test_a_long_chat_template_is_read_whole(pairs, tmp_path):
     with Engine(with_template, draft, n_ctx=512, n_batch=16) as engine:
         assert engine.target.metadata("tokenizer.chat_template") == template
         assert engine.chat([("user", "the river")], max_tokens=4).stats.generated == 4
+
+
+SAMPLING_OPTIONS = [dict(temperature=0.8), dict(temperature=1.0, top_k=5), dict(temperature=1.0, top_p=0.6),
+                    dict(temperature=1.0, min_p=0.2), dict(temperature=0.7, repeat_penalty=1.3),
+                    dict(repeat_penalty=1.5, repeat_last_n=16)]
+
+
+@pytest.mark.parametrize("options", SAMPLING_OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_seeded_sampling_with_each_option_is_the_target_alones(pairs, oracle_pair, options):
+    """The target samples every position with one chain and a draft token is kept only when it
+    equals that sample: with the same seed, speculation returns what the target alone returns,
+    through rejections (a random draft) and acceptances (a draft that always agrees)."""
+    target, right, _ = oracle_pair
+    for t, d in (pairs["llama"], pairs["qwen35moe"], (target, right)):
+        with Engine(t, d, n_ctx=512) as engine:
+            engine.generate(PROMPT, max_tokens=4)  # see test_a_moe_targets_first_generation_is_like_the_next
+            for seed in (1, 2):
+                spec = engine.speculate(PROMPT, max_tokens=24, n_max=4, seed=seed, **options)
+                assert spec.tokens == engine.generate(PROMPT, max_tokens=24, seed=seed, **options).tokens
+
+
+def test_each_option_changes_what_is_sampled(pairs):
+    target, draft = pairs["llama"]
+    with Engine(target, draft, n_ctx=512) as engine:
+        greedy = engine.speculate(PROMPT, max_tokens=24).tokens
+        sampled = engine.speculate(PROMPT, max_tokens=24, temperature=1.5, seed=3).tokens
+        assert sampled != greedy
+        # filters that leave one candidate make sampling greedy
+        for narrow in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
+            assert engine.speculate(PROMPT, max_tokens=24, temperature=1.5, seed=3, **narrow).tokens == greedy
+        penalized = engine.speculate(PROMPT, max_tokens=24, repeat_penalty=2.0).tokens
+        assert penalized != greedy
+        assert len(set(penalized)) > len(set(greedy))  # fewer repeats
+
+
+def test_logprobs_of_every_returned_token(pairs):
+    target, draft = pairs["qwen3"]
+    with Engine(target, draft, n_ctx=512) as engine:
+        spec = engine.speculate(PROMPT, max_tokens=20, n_max=4, logprobs=3)
+        plain = engine.generate(PROMPT, max_tokens=20, logprobs=3)
+        assert spec.logprobs is not None and len(spec.logprobs) == len(spec.tokens) == 20
+        for got, want in zip(spec.logprobs, plain.logprobs, strict=True):
+            assert got.token == want.token
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert [t for t, _ in got.top] == [t for t, _ in want.top] and len(got.top) == 3
+            assert got.top[0] == (got.token, pytest.approx(got.logprob))  # greedy: the most likely
+            assert got.top[0][1] >= got.top[1][1] >= got.top[2][1] and got.top[0][1] <= 0
+        text = spec.text
+        stop = text[len(text) // 2:len(text) // 2 + 3]
+        cut = engine.speculate(PROMPT, max_tokens=20, n_max=4, logprobs=1, stop=[stop])
+        assert len(cut.logprobs) == len(cut.tokens) < 20
+        assert engine.speculate(PROMPT, max_tokens=4).logprobs is None
+
+
+def test_bad_sampling_options(pairs):
+    target, draft = pairs["llama"]
+    with Engine(target, draft, n_ctx=64) as engine:
+        for options, message in ((dict(top_k=-1), "top_k must be >= 0"), (dict(top_p=0), r"top_p must be in \(0, 1\]"),
+                                 (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
+                                 (dict(repeat_penalty=0), "repeat_penalty must be > 0"),
+                                 (dict(logprobs=-2), "logprobs must be >= 0")):
+            with pytest.raises(ValueError, match=message):
+                engine.speculate("hi", **options)
+        with pytest.raises(ValueError, match="logprobs must be in 0..320"):
+            engine.speculate("hi", logprobs=100000)
+        with pytest.raises(TypeError, match="top_q"):
+            engine.speculate("hi", top_q=0.5)
+
+
+@pytest.mark.xfail(strict=True, reason="base bug, not found yet: on a fresh context, the tiny MoE target's first "
+                   "single-token pass after a prompt of 4 or ~40 tokens gives other logits than in every later "
+                   "generation (which agree with prompts decoded a token at a time); a dense target does not")
+def test_a_moe_targets_first_generation_is_like_the_next(pairs):
+    target, _ = pairs["qwen35moe"]
+    with Engine(target, n_ctx=512) as engine:
+        first, again = (engine.generate(PROMPT, max_tokens=3, temperature=0.8, seed=1, logprobs=1) for _ in range(2))
+    assert [t.logprob for t in first.logprobs] == [t.logprob for t in again.logprobs]

@@ -153,7 +153,7 @@ def test_a_commit_callback_cannot_reenter_its_model_and_its_errors_propagate(pai
             raise KeyError("from the callback")
         refused(lambda: engine.generate(prompt, 12, 4, on_commit=boom), KeyError, "from the callback")
         seen = []
-        tokens, stats = engine.generate(prompt, 12, 4, on_commit=lambda t: seen.extend(t) or len(seen) < 5)
+        tokens, stats, _ = engine.generate(prompt, 12, 4, on_commit=lambda t: seen.extend(t) or len(seen) < 5)
         assert stats["end_reason"] == "caller" and tokens == seen == expected[:len(seen)] and len(seen) >= 5
         assert engine.generate(prompt, 12, 4)[0] == expected
     """)

@@ -140,3 +140,50 @@ def test_two_slots_side_by_side_keep_the_targets_choice(pair, chats, tmp_path, f
         assert len(tokens) == 48 or reply["stop_type"] == "eos"
         assert all(t["content"] == t["probs"][0]["tok_str"] for t in tokens)
     assert sum(r["timings"]["draft_n_accepted"] for r in replies) > 0
+
+
+@pytest.mark.parametrize("options", [dict(temperature=0.8, top_k=40), dict(temperature=1.0, top_k=40, top_p=0.8),
+                                     dict(temperature=1.2, top_k=40, min_p=0.05)],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_speculative_samples_follow_the_targets_filtered_distribution(pair, chats, options):
+    """Every token sampled with the draft (which the target accepts often here) is a draw from
+    the target's own distribution at its position, filtered as the options say. Test: the
+    randomised probability integral transform of each token under that distribution (computed in
+    Python from the returned log-probabilities) is uniform: Kolmogorov-Smirnov distance below
+    1.95 / sqrt(n), the 0.1% critical value."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    u, accepted = [], 0
+    with Engine(*pair, n_ctx=2048, n_threads=2) as engine:
+        prompt = engine.target.tokenize(chats[0], add_special=False, parse_special=True)
+        for seed in range(40):
+            out = engine.speculate(prompt, max_tokens=24, n_max=4, seed=seed, logprobs=64, **options)
+            accepted += out.stats.accepted
+            for entry in out.logprobs:
+                ids = np.array([t for t, _ in entry.top])
+                p = filtered(np.array([lp for _, lp in entry.top]), **options)
+                assert p[ids == entry.token].sum() > 0, "a token outside the filtered candidates"
+                below = p[:np.flatnonzero(ids == entry.token)[0]].sum()
+                u.append(below + rng.uniform() * p[ids == entry.token][0])
+    u = np.sort(np.array(u))
+    n = len(u)
+    distance = max(np.max(np.arange(1, n + 1) / n - u), np.max(u - np.arange(n) / n))
+    assert accepted > 100  # the draft's tokens were kept often: the test covers acceptance
+    assert distance < 1.95 / np.sqrt(n), (distance, n)
+
+
+def filtered(logprobs, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
+    """The sampling distribution over the most likely tokens (sorted, most likely first) given
+    their log-probabilities: top-k, top-p and min-p at temperature 1, then the temperature."""
+    import numpy as np
+    keep = np.ones(len(logprobs), dtype=bool)
+    if top_k:
+        keep[top_k:] = False
+    p = np.exp(logprobs - logprobs[0]) * keep
+    if top_p < 1.0:
+        mass = np.cumsum(p) / p.sum()
+        keep &= np.concatenate([[True], mass[:-1] < top_p])
+    if min_p > 0.0:
+        keep &= p >= min_p * p[0]
+    w = np.exp((logprobs - logprobs[0]) / temperature) * keep
+    return w / w.sum()

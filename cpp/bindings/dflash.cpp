@@ -287,14 +287,22 @@ public:
         free_native();
     }
 
-    py::tuple generate(const std::vector<llama_token> & prompt, int max_tokens, int n_max, float temperature,
-                       uint32_t seed, std::optional<py::function> on_commit) {
+    py::tuple generate(const std::vector<llama_token> & prompt, int max_tokens, int n_max, const dflash_sampling & sampling,
+                       std::optional<py::function> on_commit) {
         target_.check_tokens(prompt);
         if (max_tokens < 0) {
             throw py::value_error("max_tokens must be >= 0, got " + std::to_string(max_tokens));
         }
+        if (sampling.n_probs < 0 || sampling.n_probs > target_.n_vocab()) {
+            throw py::value_error("logprobs must be in 0.." + std::to_string(target_.n_vocab()) + ", got " +
+                                  std::to_string(sampling.n_probs));
+        }
         std::vector<llama_token> out(max_tokens);
         std::vector<int32_t> step_lengths(max_tokens);
+        const size_t n_top = (size_t) max_tokens * sampling.n_probs;
+        std::vector<float> token_logprobs(sampling.n_probs > 0 ? max_tokens : 0), top_logprobs(n_top);
+        std::vector<llama_token> top_ids(n_top);
+        dflash_logprobs logprobs{token_logprobs.data(), top_ids.data(), top_logprobs.data()};
         dflash_stats stats{};
         if (engine_ == nullptr) {
             throw std::runtime_error("the engine is closed");
@@ -302,8 +310,8 @@ public:
         CommitCallback callback{on_commit ? *on_commit : py::function(), nullptr};
         dflash_engine_set_commit_callback(engine_, on_commit ? &CommitCallback::call : nullptr, &callback);
         const int n = target_.exclusive([&] {
-            return dflash_engine_generate(engine_, prompt.data(), (int) prompt.size(), max_tokens, n_max, temperature,
-                                          seed, out.data(), &stats, step_lengths.data());
+            return dflash_engine_generate(engine_, prompt.data(), (int) prompt.size(), max_tokens, n_max, &sampling,
+                                          out.data(), &stats, step_lengths.data(), &logprobs);
         });
         dflash_engine_set_commit_callback(engine_, nullptr, nullptr);
         if (callback.error) {
@@ -326,7 +334,16 @@ public:
         st["step_lengths"] = step_lengths;
         static const char * const end_reasons[] = {"length", "eog", "context", "caller"};
         st["end_reason"] = end_reasons[stats.end_reason];
-        return py::make_tuple(out, st);
+        py::list per_token;  // (logprob, [(token, logprob), ...]) for each returned token
+        for (int i = 0; i < n && sampling.n_probs > 0; ++i) {
+            py::list top;
+            for (int k = 0; k < sampling.n_probs; ++k) {
+                const size_t at = (size_t) i * sampling.n_probs + k;
+                top.append(py::make_tuple(top_ids[at], top_logprobs[at]));
+            }
+            per_token.append(py::make_tuple(token_logprobs[i], top));
+        }
+        return py::make_tuple(out, st, per_token);
     }
 
 private:
@@ -475,8 +492,23 @@ void bind_dflash(py::module_ & m) {
         .def(py::init<Model &, Draft *, int, bool>(), py::arg("target"), py::arg("draft"), py::arg("cross_ctx"),
              py::arg("full_attention") = false, py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
         .def("close", &Engine::close)
-        .def("generate", &Engine::generate, py::arg("prompt"), py::arg("max_tokens"), py::arg("n_max"),
-             py::arg("temperature") = 0.0f, py::arg("seed") = 0, py::arg("on_commit") = py::none());
+        .def("generate", [](Engine & engine, const std::vector<llama_token> & prompt, int max_tokens, int n_max,
+                            float temperature, uint32_t seed, int top_k, float top_p, float min_p, float repeat_penalty,
+                            int repeat_last_n, int logprobs, std::optional<py::function> on_commit) {
+                 dflash_sampling sampling = dflash_sampling_default();
+                 sampling.temperature = temperature;
+                 sampling.seed = seed;
+                 sampling.top_k = top_k;
+                 sampling.top_p = top_p;
+                 sampling.min_p = min_p;
+                 sampling.repeat_penalty = repeat_penalty;
+                 sampling.repeat_last_n = repeat_last_n;
+                 sampling.n_probs = logprobs;
+                 return engine.generate(prompt, max_tokens, n_max, sampling, on_commit);
+             }, py::arg("prompt"), py::arg("max_tokens"), py::arg("n_max"), py::arg("temperature") = 0.0f,
+             py::arg("seed") = 0, py::arg("top_k") = 0, py::arg("top_p") = 1.0f, py::arg("min_p") = 0.0f,
+             py::arg("repeat_penalty") = 1.0f, py::arg("repeat_last_n") = 64, py::arg("logprobs") = 0,
+             py::arg("on_commit") = py::none());
     m.def("attention_mask", &attention_mask, py::arg("key_positions"), py::arg("start"), py::arg("n_query"),
           py::arg("sliding"), py::arg("causal"), py::arg("window"), py::arg("kv_pad") = 1);
 }

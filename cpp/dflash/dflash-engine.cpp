@@ -4,6 +4,7 @@
 
 #include "dflash.h"
 #include "dflash-impl.h"
+#include "dflash-sampler.h"
 
 #include <random>  // before llama-context.h, whose sampling header needs it
 
@@ -27,25 +28,6 @@ namespace {
 double now_ms() {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
-
-struct sampler {
-    float temperature;
-    std::mt19937 rng;
-    std::vector<double> weights;
-
-    llama_token sample(const float * logits, int n_vocab) {
-        if (temperature <= 0.0f) {
-            return (llama_token) (std::max_element(logits, logits + n_vocab) - logits);
-        }
-        const float top = *std::max_element(logits, logits + n_vocab);
-        weights.resize(n_vocab);
-        for (int i = 0; i < n_vocab; ++i) {
-            weights[i] = std::exp((double) (logits[i] - top) / temperature);
-        }
-        std::discrete_distribution<int> pick(weights.begin(), weights.end());
-        return pick(rng);
-    }
-};
 
 }  // namespace
 
@@ -267,8 +249,8 @@ struct dflash_engine {
         seq->commit(*capture, idx.data(), count, pos0);
     }
 
-    int generate(const llama_token * prompt, int n_prompt, int max_tokens, int n_max, float temperature,
-                 uint32_t seed, llama_token * out, dflash_stats & st, int32_t * step_lengths) {
+    int generate(const llama_token * prompt, int n_prompt, int max_tokens, int n_max, const dflash_sampling & sampling,
+                 llama_token * out, dflash_stats & st, int32_t * step_lengths, dflash_logprobs * logprobs) {
         const int n_ctx = (int) llama_n_ctx(ctx);
         const int n_vocab = llama_n_vocab(model);
         if (n_prompt < 1) {
@@ -287,7 +269,30 @@ struct dflash_engine {
             fail("the target's n_batch %d is smaller than the draft's block", (int) llama_n_batch(ctx));
         }
         st = {};
-        sampler smp{temperature, std::mt19937(seed), {}};
+        dflash_impl::sampler smp(sampling, n_vocab);
+        // the tokens before the position being sampled (the repetition penalty looks back over them)
+        std::vector<llama_token> history(prompt, prompt + n_prompt);
+        const bool want_logprobs = logprobs != nullptr && sampling.n_probs > 0;
+        // sample row `row` of the last pass; its log-probabilities go to `info` when asked for
+        auto pick = [&](int row, dflash_impl::sampler::token_logprobs & info) {
+            const float * logits = llama_get_logits_ith(ctx, row);
+            const llama_token token = smp.sample(logits, history);
+            if (want_logprobs) {
+                info = smp.logprobs(logits, token);
+            }
+            return token;
+        };
+        // out[i] gets its log-probabilities from info
+        auto emit = [&](llama_token token, const dflash_impl::sampler::token_logprobs & info, int i) {
+            out[i] = token;
+            if (want_logprobs) {
+                logprobs->token[i] = info.logprob;
+                for (size_t k = 0; k < info.top.size(); ++k) {
+                    logprobs->top_ids[(size_t) i * sampling.n_probs + k] = info.top[k].first;
+                    logprobs->top[(size_t) i * sampling.n_probs + k] = info.top[k].second;
+                }
+            }
+        };
         llama_kv_cache_clear(ctx);
         if (seq != nullptr) {
             dflash_seq_reset(seq.get());
@@ -302,7 +307,8 @@ struct dflash_engine {
             decode(prompt + i, m, i, false, true);
             commit_features(m, i);
         }
-        llama_token t = smp.sample(llama_get_logits_ith(ctx, -1), n_vocab);
+        dflash_impl::sampler::token_logprobs t_info;  // t's, until t is returned
+        llama_token t = pick(-1, t_info);
         st.n_prompt = n_prompt;
         st.t_prompt_ms = now_ms() - t0;
 
@@ -319,6 +325,7 @@ struct dflash_engine {
         const int block = draft ? dflash_draft_block_size(draft) : 1;
         std::vector<llama_token> proposal(std::max(1, block - 1));
         std::vector<llama_token> verify;
+        std::vector<dflash_impl::sampler::token_logprobs> row_info(block);  // of each verification row's sample
         st.end_reason = DFLASH_END_LENGTH;
         while (true) {
             if (max_tokens <= n_out) {
@@ -328,7 +335,8 @@ struct dflash_engine {
                 st.end_reason = DFLASH_END_EOG;
                 break;
             }
-            out[n_out++] = t;
+            emit(t, t_info, n_out++);
+            history.push_back(t);
             if (!report()) {
                 st.end_reason = DFLASH_END_CALLER;
                 break;
@@ -358,10 +366,11 @@ struct dflash_engine {
             }
             decode(verify.data(), n + 1, s, true, true);
             int acc = 0;
-            llama_token next = smp.sample(llama_get_logits_ith(ctx, 0), n_vocab);
+            llama_token next = pick(0, row_info[0]);
             while (acc < n && next == verify[acc + 1]) {
+                history.push_back(next);  // the next row's sample comes after it
                 ++acc;
-                next = smp.sample(llama_get_logits_ith(ctx, acc), n_vocab);
+                next = pick(acc, row_info[acc]);
             }
             // keep positions s..s+acc; the rest of the pass is undone
             commit_features(acc + 1, s);
@@ -387,7 +396,7 @@ struct dflash_engine {
                 if (llama_token_is_eog(model, verify[j])) {
                     stop = true;
                 } else {
-                    out[n_out++] = verify[j];
+                    emit(verify[j], row_info[j - 1], n_out++);
                 }
             }
             if (stop) {
@@ -396,6 +405,7 @@ struct dflash_engine {
             }
             s += acc + 1;
             t = next;
+            t_info = std::move(row_info[acc]);
         }
         if (st.end_reason != DFLASH_END_CALLER) {
             report();  // what the last step committed before it ended the generation
@@ -439,13 +449,27 @@ void dflash_engine_set_commit_callback(dflash_engine * engine, dflash_commit_cal
     engine->on_commit_data = user_data;
 }
 
+dflash_sampling dflash_sampling_default(void) {
+    dflash_sampling p{};
+    p.temperature = 0.0f;
+    p.seed = 0;
+    p.top_k = 0;
+    p.top_p = 1.0f;
+    p.min_p = 0.0f;
+    p.repeat_penalty = 1.0f;
+    p.repeat_last_n = 64;
+    p.n_probs = 0;
+    return p;
+}
+
 int dflash_engine_generate(dflash_engine * engine, const llama_token * prompt, int n_prompt, int max_tokens, int n_max,
-                           float temperature, uint32_t seed, llama_token * out, dflash_stats * stats,
-                           int32_t * step_lengths) {
+                           const dflash_sampling * sampling, llama_token * out, dflash_stats * stats,
+                           int32_t * step_lengths, dflash_logprobs * logprobs) {
     dflash_stats local{};
     dflash_stats & st = stats ? *stats : local;
+    const dflash_sampling params = sampling ? *sampling : dflash_sampling_default();
     return guarded([&]() -> int {
-        return engine->generate(prompt, n_prompt, max_tokens, n_max, temperature, seed, out, st, step_lengths);
+        return engine->generate(prompt, n_prompt, max_tokens, n_max, params, out, st, step_lengths, logprobs);
     }, -1);
 }
 

@@ -193,15 +193,41 @@ typedef bool (*dflash_commit_callback)(const llama_token * tokens, int n_tokens,
 LLAMA_API dflash_engine * dflash_engine_init(llama_context * target, dflash_draft * draft, dflash_engine_params params);
 LLAMA_API void dflash_engine_free(dflash_engine * engine);
 
-// Generate up to max_tokens after the prompt into out (room for max_tokens). temperature 0 is
-// greedy; otherwise the target samples every position (seeded) and a draft token is kept while
-// it equals the target's sample, so the output follows the target's distribution. Stops at an
-// end-of-generation token (not returned) or when the context is full. Returns the number of
-// tokens written, or -1 (see dflash_last_error()). step_lengths (may be NULL, room for max_tokens)
-// receives the tokens each verification pass returned (accepted drafts + 1).
+// How the target picks each token: one chain for every position, drafted or not, so a draft token
+// is kept exactly when the target alone would have picked it there. Order (as llama.cpp's common
+// sampler): repetition penalty, then greedy at temperature 0, else top-k, top-p, min-p (on the
+// probabilities at temperature 1), temperature, and a draw of the generator seeded with seed.
+struct dflash_sampling {
+    float    temperature;     // 0: greedy
+    uint32_t seed;
+    int32_t  top_k;           // 0: off
+    float    top_p;           // 1: off
+    float    min_p;           // 0: off
+    float    repeat_penalty;  // 1: off
+    int32_t  repeat_last_n;   // tokens the penalty looks back over, the prompt's included
+    int32_t  n_probs;         // > 0: report the log-probabilities of this many most likely tokens
+};
+
+// Greedy, nothing filtered, no penalty, no log-probabilities.
+LLAMA_API struct dflash_sampling dflash_sampling_default(void);
+
+// Per returned token (room for max_tokens; top_* for max_tokens * n_probs): its log-probability
+// under the target (log-softmax of the raw logits), and the n_probs most likely tokens with theirs.
+struct dflash_logprobs {
+    float *       token;
+    llama_token * top_ids;
+    float *       top;
+};
+
+// Generate up to max_tokens after the prompt into out (room for max_tokens), picking tokens as
+// sampling says (NULL: dflash_sampling_default()). Stops at an end-of-generation token (not
+// returned) or when the context is full. Returns the number of tokens written, or -1 (see
+// dflash_last_error()). step_lengths (may be NULL, room for max_tokens) receives the tokens each
+// verification pass returned (accepted drafts + 1); logprobs (may be NULL; used when
+// sampling->n_probs > 0) what dflash_logprobs says.
 LLAMA_API int dflash_engine_generate(dflash_engine * engine, const llama_token * prompt, int n_prompt, int max_tokens,
-                                     int n_max, float temperature, uint32_t seed, llama_token * out,
-                                     dflash_stats * stats, int32_t * step_lengths);
+                                     int n_max, const struct dflash_sampling * sampling, llama_token * out,
+                                     dflash_stats * stats, int32_t * step_lengths, struct dflash_logprobs * logprobs);
 
 // The callback the engine's next generations report their tokens to (NULL: none).
 LLAMA_API void dflash_engine_set_commit_callback(dflash_engine * engine, dflash_commit_callback callback,

@@ -7,6 +7,7 @@ target_sources(llama PRIVATE
     ${CMAKE_CURRENT_LIST_DIR}/dflash-engine.cpp
     ${CMAKE_CURRENT_LIST_DIR}/dflash-faults.cpp
     ${CMAKE_CURRENT_LIST_DIR}/dflash-gguf-check.cpp
-    ${CMAKE_CURRENT_LIST_DIR}/dflash-mask.cpp)
+    ${CMAKE_CURRENT_LIST_DIR}/dflash-mask.cpp
+    ${CMAKE_CURRENT_LIST_DIR}/dflash-sampler.cpp)
 # dflash.h is public API of libllama, like llama.h
 target_include_directories(llama PUBLIC ${CMAKE_CURRENT_LIST_DIR})

@@ -7,9 +7,9 @@
 
 from ikdflash._core import __version__, build_info
 from ikdflash.model import Generation, Model
-from ikdflash.engine import Engine, SpeculationResult, SpeculationStats
+from ikdflash.engine import Engine, Sampling, SpeculationResult, SpeculationStats, TokenLogprobs
 from ikdflash.client import Completion, complete
 from ikdflash.server import Server, ServerError
 
-__all__ = ["Completion", "Engine", "Generation", "Model", "Server", "ServerError", "SpeculationResult",
-           "SpeculationStats", "__version__", "build_info", "complete"]
+__all__ = ["Completion", "Engine", "Generation", "Model", "Sampling", "Server", "ServerError", "SpeculationResult",
+           "SpeculationStats", "TokenLogprobs", "__version__", "build_info", "complete"]

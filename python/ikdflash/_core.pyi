@@ -84,7 +84,12 @@ class Engine:
 
     def __init__(self, target: Model, draft: Draft | None, cross_ctx: int, full_attention: bool = False) -> None: ...
     def generate(self, prompt: list[int], max_tokens: int, n_max: int, temperature: float = 0.0, seed: int = 0,
-                 on_commit: Callable[[list[int]], bool | None] | None = None) -> tuple[list[int], dict[str, Any]]:
-        """Tokens and statistics (end_reason: "length", "eog", "context" or "caller"). on_commit
-        gets each step's committed tokens; a falsy result other than None stops the generation."""
+                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0,
+                 repeat_last_n: int = 64, logprobs: int = 0,
+                 on_commit: Callable[[list[int]], bool | None] | None = None,
+                 ) -> tuple[list[int], dict[str, Any], list[tuple[float, list[tuple[int, float]]]]]:
+        """Tokens, statistics (end_reason: "length", "eog", "context" or "caller") and, with
+        logprobs > 0, each token's (log-probability, [(token, log-probability)] of the logprobs
+        most likely). on_commit gets each step's committed tokens; a falsy result other than
+        None stops the generation."""
     def close(self) -> None: ...

@@ -8,13 +8,16 @@
         for piece in engine.stream("Tell me a story.", max_tokens=128, stop=["THE END"]):
             print(piece, end="", flush=True)
 
-Greedy speculation returns exactly the tokens plain greedy generation returns; with
-temperature > 0 the output follows the target's distribution (the target samples every
-position; a draft token is kept while it equals the target's sample).
+Greedy speculation returns exactly the tokens plain greedy generation returns. Sampling
+(temperature, top_k, top_p, min_p, repeat_penalty, seed) keeps the output the target's: the
+target samples every position with the same chain, and a draft token is kept while it equals the
+target's sample, so with the same seed speculation returns what generate() returns.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -56,6 +59,41 @@ class SpeculationStats:
         return self.generated / busy if busy > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How the target picks each token, in this order (as llama.cpp's common sampler): the
+    repetition penalty over the last ``repeat_last_n`` tokens (prompt included; 1 = off), then
+    greedy at ``temperature`` 0, else ``top_k`` (0 = off), ``top_p`` (1 = off) and ``min_p``
+    (0 = off) on the probabilities at temperature 1, the temperature, and a draw seeded by
+    ``seed``. ``logprobs`` > 0: each returned token's log-probability and the ``logprobs`` most
+    likely tokens' (log-softmax of the target's raw logits)."""
+
+    temperature: float = 0.0
+    seed: int = 0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [("temperature", self.temperature >= 0, ">= 0"), ("top_k", self.top_k >= 0, ">= 0 (0: off)"),
+                  ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1: off)"), ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+                  ("repeat_penalty", self.repeat_penalty > 0, "> 0 (1: off)"),
+                  ("repeat_last_n", self.repeat_last_n >= 0, ">= 0"), ("logprobs", self.logprobs >= 0, ">= 0")]
+        for name, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
+
+
+@dataclass
+class TokenLogprobs:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token, logprob), most likely first
+
+
 @dataclass
 class SpeculationResult:
     text: str
@@ -64,6 +102,8 @@ class SpeculationResult:
     finish_reason: str = "length"
     """"stop" (a stop string), "eos" (the target's end-of-generation token), or "length"
     (max_tokens, or the context is full)."""
+    logprobs: list[TokenLogprobs] | None = None
+    """With ``logprobs=N``: one entry per token in ``tokens``."""
 
 
 class Engine:
@@ -136,29 +176,29 @@ class Engine:
         return self.draft.info()["block_size"] if self.draft else 1
 
     def speculate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int = 4,
-                  temperature: float = 0.0, seed: int = 0, stop: Sequence[str] = (),
-                  stream: bool = False) -> SpeculationResult | TextStream:
+                  stop: Sequence[str] = (), stream: bool = False, **sampling: Any) -> SpeculationResult | TextStream:
         """Generate with DFlash: draft up to n_max tokens per step (capped at block_size - 1).
         ``stop``: strings that end the text (not included). ``stream=True``: a TextStream of
-        text pieces instead, as stream() returns."""
+        text pieces instead, as stream() returns. ``sampling``: the fields of Sampling
+        (temperature, seed, top_k, top_p, min_p, repeat_penalty, repeat_last_n, logprobs)."""
         if self.draft is None:
             raise ValueError("speculate() needs a draft model; use generate() for the target alone")
         if n_max < 1:
             raise ValueError(f"n_max must be at least 1, got {n_max}")
-        return self._run(prompt, max_tokens, n_max, temperature, seed, stop, stream)
+        return self._run(prompt, max_tokens, n_max, Sampling(**sampling), stop, stream)
 
-    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
-                 seed: int = 0, stop: Sequence[str] = (), stream: bool = False) -> SpeculationResult | TextStream:
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, stop: Sequence[str] = (),
+                 stream: bool = False, **sampling: Any) -> SpeculationResult | TextStream:
         """Generate with the target alone, through the same loop (the baseline)."""
-        return self._run(prompt, max_tokens, 0, temperature, seed, stop, stream)
+        return self._run(prompt, max_tokens, 0, Sampling(**sampling), stop, stream)
 
     def chat(self, messages: Sequence[Mapping[str, str] | tuple[str, str]], *, max_tokens: int = 256,
-             n_max: int = 4, temperature: float = 0.0, seed: int = 0, stop: Sequence[str] = (),
-             stream: bool = False) -> SpeculationResult | TextStream:
+             n_max: int = 4, stop: Sequence[str] = (), stream: bool = False,
+             **sampling: Any) -> SpeculationResult | TextStream:
         """Answer a conversation ({"role", "content"} dicts or (role, content) pairs) in the
         target's own chat template (ChatML when the GGUF has none), as llama-server's Jinja path
         renders it. With the target alone when the engine has no draft."""
-        return self._run(self.chat_tokens(messages), max_tokens, n_max if self.draft else 0, temperature, seed,
+        return self._run(self.chat_tokens(messages), max_tokens, n_max if self.draft else 0, Sampling(**sampling),
                          stop, stream)
 
     def chat_tokens(self, messages: Sequence[Mapping[str, str] | tuple[str, str]]) -> list[int]:
@@ -171,37 +211,38 @@ class Engine:
         return self.target.tokenize(text, add_special=False, parse_special=True)
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int = 4,
-               temperature: float = 0.0, seed: int = 0, stop: Sequence[str] = ()) -> TextStream:
+               stop: Sequence[str] = (), **sampling: Any) -> TextStream:
         """Text pieces as each step commits them (n_max 0: the target alone); the stream's
         ``result`` has the tokens, statistics and finish_reason once it is exhausted."""
         if n_max > 0 and self.draft is None:
             raise ValueError("this engine has no draft: stream with n_max=0")
-        return self._run(prompt, max_tokens, n_max, temperature, seed, stop, True)
+        return self._run(prompt, max_tokens, n_max, Sampling(**sampling), stop, True)
 
-    def _run(self, prompt: str | Sequence[int], max_tokens: int, n_max: int, temperature: float,
-             seed: int, stop: Sequence[str], stream: bool) -> SpeculationResult | TextStream:
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+    def _run(self, prompt: str | Sequence[int], max_tokens: int, n_max: int, sampling: Sampling,
+             stop: Sequence[str], stream: bool) -> SpeculationResult | TextStream:
         if self._native is None:
             raise ValueError("the engine is closed")
         tokens = self.target.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         decoder = TextDecoder(self.target.detokenize, [stop] if isinstance(stop, str) else stop)
+        options = dataclasses.asdict(sampling)
 
         def run(on_commit):
-            return self._native.generate(tokens, max_tokens, n_max, temperature, seed, on_commit)
+            return self._native.generate(tokens, max_tokens, n_max, on_commit=on_commit, **options)
 
+        finish = functools.partial(_result, with_logprobs=sampling.logprobs > 0)
         if stream:
-            return TextStream(run, decoder, _result)
+            return TextStream(run, decoder, finish)
 
         def on_commit(step: list[int]) -> bool:
             decoder.feed(step)
             return decoder.stopped is None  # a stop string ends the generation after this step
 
-        return _result(run(on_commit), decoder)
+        return finish(run(on_commit), decoder)
 
 
-def _result(native: tuple[list[int], dict[str, Any]], decoder: TextDecoder) -> SpeculationResult:
-    _, raw = native
+def _result(native: tuple[list[int], dict[str, Any], list], decoder: TextDecoder, *,
+            with_logprobs: bool) -> SpeculationResult:
+    _, raw, per_token = native
     decoder.finish()
     stats = SpeculationStats(
         prompt_tokens=raw["n_prompt"], generated=raw["n_generated"], drafted=raw["n_drafted"],
@@ -209,4 +250,9 @@ def _result(native: tuple[list[int], dict[str, Any]], decoder: TextDecoder) -> S
         draft_time=raw["t_draft_ms"] / 1e3, verify_time=raw["t_verify_ms"] / 1e3,
         step_lengths=list(raw["step_lengths"]))
     reason = "stop" if decoder.stopped is not None else "eos" if raw["end_reason"] == "eog" else "length"
-    return SpeculationResult(text=decoder.text, tokens=decoder.kept_tokens, stats=stats, finish_reason=reason)
+    kept = decoder.kept_tokens
+    logprobs = None
+    if with_logprobs:  # a stop string may have cut tokens off the end
+        logprobs = [TokenLogprobs(token, logprob, list(top))
+                    for token, (logprob, top) in zip(kept, per_token, strict=False)]
+    return SpeculationResult(text=decoder.text, tokens=kept, stats=stats, finish_reason=reason, logprobs=logprobs)
