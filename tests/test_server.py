@@ -129,3 +129,16 @@ def test_an_api_key_never_reaches_the_command_line(tiny_model, tmp_path, monkeyp
         assert complete(url, "hello", max_tokens=2).raw["tokens_predicted"] == 2
     with pytest.raises(ValueError, match="one non-blank line"):
         Server(tiny_model("llama"), api_key="two\nlines")
+
+
+def test_a_prompt_of_only_bos_is_not_a_warm_up(tiny_model, tmp_path):
+    """The base ran the first single-token pass of BOS after its warm-up as one more warm-up,
+    with every expert of a MoE model (patch 0022): the first such request got other logits."""
+    from ikdflash.client import post_json
+    target = tiny_model("qwen35moe")
+    with Model(target, n_ctx=64) as model:
+        bos = int(model.metadata("tokenizer.ggml.bos_token_id"))
+    body = {"prompt": [bos], "n_predict": 1, "n_probs": 3, "temperature": 0, "cache_prompt": False}
+    with Server(target, ctx_size=256, n_threads=2, log_file=tmp_path / "s.log") as url:
+        first, again = (post_json(url + "/completion", body)["completion_probabilities"][0]["probs"] for _ in range(2))
+    assert first == again
