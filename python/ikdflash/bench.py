@@ -140,15 +140,31 @@ def held_out_text(template: str, n_tokens: int) -> str | None:
         return None
 
 
-def prompts_for(engine: Engine, lengths: list[int], count: int, text: str) -> dict[int, list[list[int]]]:
-    """count prompts per length, cut from text at evenly spaced places (the text repeats if short)."""
-    tokens = engine.target.tokenize(text, add_special=False, parse_special=True)
+def prompt_text(args: argparse.Namespace, template: str | None) -> str:
+    """What prompts are cut from: --text, else held-out conversations in the chat template, else
+    the built-in paragraph."""
+    if args.text:
+        return args.text.read_text(errors="replace")
+    return (held_out_text(template, max(args.lengths) * (args.prompts + 1)) if template else None) or FILLER
+
+
+def cut_prompts(tokens: list[int], lengths: list[int], count: int) -> dict[int, list[list[int]]]:
+    """count prompts per length, cut from tokens at evenly spaced places (repeated if short)."""
     if not tokens:
         raise ValueError("no text to cut prompts from")
     need = max(lengths) * (count + 1)
     while len(tokens) < need:
         tokens = tokens + tokens
     return {n: [tokens[i * max(lengths):i * max(lengths) + n] for i in range(count)] for n in lengths}
+
+
+def prompts_for(engine: Engine, lengths: list[int], count: int, text: str) -> dict[int, list[list[int]]]:
+    return cut_prompts(engine.target.tokenize(text, add_special=False, parse_special=True), lengths, count)
+
+
+def median_and_spread(speeds: list[float]) -> tuple[float, float]:
+    """The median of rounds' speeds and half their range (0, 0 without rounds)."""
+    return (statistics.median(speeds), (max(speeds) - min(speeds)) / 2) if speeds else (0.0, 0.0)
 
 
 @dataclass
@@ -194,13 +210,12 @@ class Cell:
     @property
     def tokens_per_second(self) -> float:
         """The median round's generation speed."""
-        return statistics.median(self.round_speeds()) if self.rounds else 0.0
+        return median_and_spread(self.round_speeds())[0]
 
     @property
     def spread(self) -> float:
         """Half the range of the rounds' speeds (0 with one round)."""
-        speeds = self.round_speeds()
-        return (max(speeds) - min(speeds)) / 2 if speeds else 0.0
+        return median_and_spread(self.round_speeds())[1]
 
     def ms_per_step(self, name: str) -> float:
         steps = self.total("steps")
@@ -219,8 +234,7 @@ def measure(args: argparse.Namespace, window: int) -> tuple[list[Row], list[tupl
     speculative outputs that differ from the target alone's as (mode, length, prompt, first
     differing token); there must be none."""
     n_ctx = max(args.lengths) + args.max_tokens + 16
-    text = args.text.read_text(errors="replace") if args.text else \
-        held_out_text(chat_template(args.target), max(args.lengths) * (args.prompts + 1)) or FILLER
+    text = prompt_text(args, chat_template(args.target))
     modes = MODES[:2] if args.no_baseline else MODES
     results: dict[str, dict[int, Cell]] = {m: {n: Cell() for n in args.lengths} for m in MODES}
     outputs: dict[tuple[str, int, int], list[int]] = {}
@@ -267,23 +281,19 @@ def measure_server(args: argparse.Namespace) -> list[ServerRow]:
     """A running llama-server: each length's prompts, --repeat rounds; acceptance and speed from
     the responses' timings."""
     url, key = args.server.rstrip("/"), args.api_key
-    template = get_json(url + "/props", api_key=key).get("chat_template") or ""
-    text = args.text.read_text(errors="replace") if args.text else \
-        (held_out_text(template, max(args.lengths) * (args.prompts + 1)) if template else None) or FILLER
+    text = prompt_text(args, get_json(url + "/props", api_key=key).get("chat_template"))
     tokens = post_json(url + "/tokenize", {"content": text, "parse_special": True}, api_key=key)["tokens"]
-    need = max(args.lengths) * (args.prompts + 1)
-    while len(tokens) < need:
-        tokens = tokens + tokens
+    prompts = cut_prompts(tokens, args.lengths, args.prompts)
     rows, total, done = [], len(args.lengths) * args.prompts * args.repeat, 0
     for n in args.lengths:
         drafted = accepted = generated = 0
         speeds = []
         for _ in range(args.repeat):
             n_tokens, seconds = 0, 0.0
-            for i in range(args.prompts):
+            for prompt in prompts[n]:
                 progress(done, total, f"server, {n} tokens")
-                body = {"prompt": tokens[i * max(args.lengths):i * max(args.lengths) + n], "n_predict": args.max_tokens,
-                        "temperature": args.temperature, "seed": args.seed, "cache_prompt": False}
+                body = {"prompt": prompt, "n_predict": args.max_tokens, "temperature": args.temperature,
+                        "seed": args.seed, "cache_prompt": False}
                 timings = post_json(url + "/completion", body, api_key=key)["timings"]
                 drafted += timings.get("draft_n", 0)
                 accepted += timings.get("draft_n_accepted", 0)
@@ -292,8 +302,9 @@ def measure_server(args: argparse.Namespace) -> list[ServerRow]:
                 done += 1
             generated += n_tokens
             speeds.append(n_tokens / seconds if seconds else 0.0)
-        rows.append(ServerRow(length=n, generated=generated, drafted=drafted, accepted=accepted,
-                              tps=statistics.median(speeds), spread=(max(speeds) - min(speeds)) / 2))
+        tps, spread = median_and_spread(speeds)
+        rows.append(ServerRow(length=n, generated=generated, drafted=drafted, accepted=accepted, tps=tps,
+                              spread=spread))
     progress(done, total, "done")
     print(file=sys.stderr)
     return rows
@@ -358,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         try:
             rows = measure_server(args)
-        except (ServerError, OSError) as e:
+        except (ServerError, OSError, ValueError) as e:
             print(f"ikdflash bench: error: {args.server}: {e}", file=sys.stderr)
             return 2
         print(server_table(rows, args.server, args.repeat))

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ikdflash import _core, fork
-from ikdflash.engine import Engine, SpeculationStats
+from ikdflash.bench import Cell
+from ikdflash.engine import Engine
 from ikdflash.hub import HubError, add_model_arguments, resolve_models
 from ikdflash.pair import check_pair
 
@@ -90,16 +91,11 @@ def probe(target: Path, draft: Path, max_tokens: int, n_threads: int | None) -> 
             totals["target"].append(plain.stats)
             identical &= spec.tokens == plain.tokens
 
-    def total(stats: list[SpeculationStats]) -> SpeculationStats:
-        return SpeculationStats(**{name: sum(getattr(s, name) for s in stats) for name in
-                                   ("prompt_tokens", "generated", "drafted", "accepted", "steps", "prompt_time",
-                                    "draft_time", "verify_time")})
-
-    spec, plain = total(totals["dflash"]), total(totals["target"])
+    spec, plain = Cell([totals["dflash"]]), Cell([totals["target"]])  # summed over the replies
     speedup = spec.tokens_per_second / plain.tokens_per_second if plain.tokens_per_second else 0.0
     verdict = ("pays" if speedup >= PAYS else "costs time" if speedup <= 1 / PAYS else "about breaks even")
-    return {"replies": len(PROBE_QUESTIONS), "tokens": spec.generated, "acceptance": spec.acceptance,
-            "mean_acceptance_length": spec.mean_acceptance_length, "dflash_tokens_per_second": spec.tokens_per_second,
+    return {"replies": len(PROBE_QUESTIONS), "tokens": int(spec.total("generated")), "acceptance": spec.acceptance,
+            "mean_acceptance_length": spec.tau, "dflash_tokens_per_second": spec.tokens_per_second,
             "target_tokens_per_second": plain.tokens_per_second, "speedup": speedup, "verdict": verdict,
             "identical": identical}
 
