@@ -164,6 +164,56 @@ def test_prompts_swapped_through_the_ram_cache(swa_pairs, tmp_path, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+def test_a_prompt_that_fails_to_come_back_from_the_ram_cache_is_evaluated_again(swa_pairs, tmp_path, arch):
+    """A goes to the RAM cache when B, which shares its first third, takes the slot; A continued
+    brings it back, and the restore fails (injected: a cut state, which the base rejects after
+    emptying the slot's cells). The slot kept B's tokens and reused that third from cells that
+    were gone: the soak's reply that turned at its first token, where the reference was 84% sure."""
+    target, draft = swa_pairs[arch]
+    a = STORY * 3
+    steps = [completion(a, 16, ignore_eos=True, n_probs=1),
+             completion(a[:len(a) // 3] + OTHER * 2, 8, ignore_eos=True, n_probs=1),
+             completion(a + " and so", 16, ignore_eos=True, n_probs=1)]
+    plain, spec, log = side_by_side(target, draft, tmp_path, steps, args=["--cache-ram", "64"],
+                                    faults="prompt_restore@1")
+    assert "failed to load prompt from cache; the slot's cached tokens are dropped" in log
+    assert_same_text(plain, spec)
+    assert_same_top_probabilities(plain, spec)
+
+
+def test_two_long_replies_side_by_side_fit_the_context(swa_pairs, tmp_path):
+    """Two slots verify side by side, so their rows interleave in the KV cache, and each step's
+    rejected drafts leave holes of 4 cells that no later view of 10 fits: the replies failed (HTTP
+    500, "KV cache is full") with a third of the 1024 cells in use. Now a view that finds no room
+    defragments the cache first. Every token stays the target's own choice; the replies match the
+    target alone's up to a near-tie that batching with the other slot may turn."""
+    from soak import first_difference, not_the_targets_choice
+
+    target, draft = swa_pairs["llama"]
+    prompts = [list(range(10, 110)), list(range(110, 210))]
+    bodies = [completion(p, n, ignore_eos=True, n_probs=2) for p, n in zip(prompts, (400, 200), strict=True)]
+    plain, spec, log = side_by_side(target, draft, tmp_path, [bodies], args=["--parallel", "2"])
+    assert [r["tokens_predicted"] for r in spec] == [400, 200]
+    assert "defragmenting it" in log
+    assert all(not_the_targets_choice(r) is None for r in spec)
+    for got, want in zip(spec, plain, strict=True):
+        turn = first_difference(got, want)
+        assert turn is None or turn[1] < 0.02, turn
+
+
+def test_the_prefix_is_reused_with_reasoning_tokens_none(swa_pairs, tmp_path):
+    """With --reasoning-tokens none, looking for a better cached prompt moved the token lists it
+    compared out of the slot and out of every cached prompt: once the RAM cache held a prompt,
+    nothing was reused and each request evaluated its whole prompt again."""
+    target, draft = swa_pairs["llama"]
+    with Server(target, ctx_size=1024, n_threads=2, log_file=tmp_path / "s.log",
+                extra_args=["--reasoning-tokens", "none", *dflash_args(draft)]) as url:
+        replies = run(url, [completion(STORY * 2, 4), completion(OTHER * 3, 4), completion(OTHER * 3, 4),
+                            completion(STORY * 2, 4)])
+    assert [r["timings"]["prompt_n"] for r in replies[2:]] == [1, 1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
 def test_slot_save_and_restore(swa_pairs, tmp_path, arch):
     target, draft = swa_pairs[arch]
     saved = tmp_path / "slots"
@@ -295,14 +345,16 @@ def test_a_full_kv_cache_splits_the_verification_batch(swa_pairs, tmp_path, arch
     in the KV cache (injected: IKDFLASH_FAULTS), the server retries in halves of the batch size,
     16 -> 8, and a half would cut the second slot's rows. Before, the accept step ran after every
     view for every slot with drafts, sampling rows of a view not yet decoded; now a view never
-    cuts a slot's rows, and a slot is accepted after the view that holds them."""
+    cuts a slot's rows, and a slot is accepted after the view that holds them. Each fault is
+    injected twice in a row: a view that finds no room first defragments the cache and retries."""
     target, draft = swa_pairs[arch]
     steps = [[completion(STORY, 24, ignore_eos=True), completion(OTHER, 24, ignore_eos=True)]]
-    faults = ",".join(f"decode_kv_full@{k}" for k in (6, 9, 12, 15, 18))
+    faults = ",".join(f"decode_kv_full@{k},decode_kv_full@{k + 1}" for k in (6, 11, 16, 21, 26))
     plain, spec, log = side_by_side(target, draft, tmp_path, steps, ctx=2048, faults=faults,
                                     args=["--parallel", "2", "--batch-size", "16", "--ubatch-size", "16"])
     assert_same_text(plain, spec)
     assert log.count("retrying with smaller batch size") == 5
+    assert log.count("defragmenting it") == 5
     assert not any(phrase in log for phrase in DRAFT_RESETS)
 
 
