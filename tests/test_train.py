@@ -169,6 +169,37 @@ def test_a_second_run_resumes(trained):
     assert stages[1]["command"].startswith("ikdflash train --target") and "--max-steps 5" in stages[1]["command"]
 
 
+def test_refresh_recomputes_features_for_the_same_tokens_and_resumes(trained, target, tmp_path, capsys):
+    """Features made by an earlier fork (here: zeroed, labels wiped) come back as the target
+    computes them now, for the same tokens; a refresh stopped halfway goes on where it stopped."""
+    import shutil
+
+    from ikdflash.train.data import main as data_main
+    from ikdflash.train.data import open_dataset
+
+    run, _ = trained
+    good = open_dataset(run / "data")
+    stale = tmp_path / "stale"
+    shutil.copytree(run / "data", stale)
+    np.memmap(stale / "features.f16", dtype=np.float16, mode="r+")[:] = 0
+    np.memmap(stale / "greedy.i32", dtype=np.int32, mode="r+")[:] = -1
+    fresh = tmp_path / "fresh"
+    assert data_main(["refresh", "--target", str(target), str(stale), str(fresh)]) == 0
+    half = json.loads((fresh / "meta.json").read_text())
+    half_sequences = half["n_sequences"] // 2
+    half["n_rows"] = int(good.index[half_sequences][0])
+    half["n_sequences"] = half_sequences
+    (fresh / "meta.json").write_text(json.dumps(half))
+    assert data_main(["refresh", "--target", str(target), str(stale), str(fresh)]) == 0
+    again = open_dataset(fresh)
+    assert again.meta["n_sequences"] == good.meta["n_sequences"] and again.meta["refreshed_from"] == str(stale)
+    for name in ("index", "tokens", "trainable", "greedy"):
+        assert np.array_equal(getattr(again, name), getattr(good, name)), name
+    assert np.abs(again.features.astype(np.float32) - good.features.astype(np.float32)).max() < 1e-2
+    assert data_main(["refresh", "--target", str(target), str(fresh), str(fresh)]) == 2
+    assert "not the one it reads" in capsys.readouterr().err
+
+
 def test_bad_input_is_refused(trained, target, tmp_path, capsys):
     run, argv = trained
     base = ["train", "--target", str(target), "--threads", "2"]

@@ -18,10 +18,17 @@ On disk (append-only, so a build can stop and resume, and data can exceed RAM):
     greedy.i32        [n_rows]   the target's greedy next token after each row
     trainable.u8      [n_rows]   1 where the row is part of an assistant turn (anchors come from there)
     features.f16      [n_rows, width]  the target layers' outputs, concatenated
+
+A fix in the fork that changes the target's states makes old features wrong but leaves their
+tokens good; `refresh` runs the target over them again into a new folder (prefill speed, even
+for generated answers):
+
+    python -m ikdflash.train.data refresh --target T.gguf OLD_FOLDER NEW_FOLDER
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -96,6 +103,8 @@ class _Writer:
     def __init__(self, folder: Path, meta: dict) -> None:
         self.folder = folder
         self.meta = meta
+        self.t_start = self.t_report = time.monotonic()
+        self.seconds_before, self.rows_at_start = meta["seconds"], meta["n_rows"]
         folder.mkdir(parents=True, exist_ok=True)
         sizes = {"index": meta["n_sequences"] * 2, "features": meta["n_rows"] * meta["width"]}
         self.files = {}
@@ -117,7 +126,19 @@ class _Writer:
         self.meta["n_sequences"] += 1
         self.meta["n_trainable"] += int(trainable.sum())
 
+    def tick(self, max_rows: int, progress: bool) -> None:
+        """Commit, and print the progress, every 10 seconds."""
+        now = time.monotonic()
+        if now - self.t_report > 10:
+            self.commit()
+            self.t_report = now
+            if progress:
+                rate = (self.meta["n_rows"] - self.rows_at_start) / max(now - self.t_start, 1e-9)
+                print(f"data: {self.meta['n_rows']}/{max_rows} rows, {self.meta['n_sequences']} sequences, "
+                      f"{rate:.0f} rows/s", file=sys.stderr, flush=True)
+
     def commit(self) -> None:
+        self.meta["seconds"] = self.seconds_before + time.monotonic() - self.t_start
         for f in self.files.values():
             f.flush()
             os.fsync(f.fileno())
@@ -185,8 +206,6 @@ def build(target: str | os.PathLike[str], conversations: Iterable[Conversation],
         return open_dataset(folder)
     writer = _Writer(folder, meta)
     head = [("system", system)] if system else []
-    t_start = t_report = time.monotonic()
-    seconds_before, rows_at_start = meta["seconds"], meta["n_rows"]
     try:
         for index, conv in enumerate(conversations):
             if meta["n_rows"] >= max_rows:
@@ -213,17 +232,62 @@ def build(target: str | os.PathLike[str], conversations: Iterable[Conversation],
                 continue
             features, greedy = model._native.layer_features(tokens, list(layer_ids))
             writer.append(tokens, greedy, np.array(trainable, dtype=np.uint8), features)
-            now = time.monotonic()
-            if now - t_report > 10:
-                meta["seconds"] = seconds_before + now - t_start
-                writer.commit()
-                t_report = now
-                if progress:
-                    rate = (meta["n_rows"] - rows_at_start) / max(now - t_start, 1e-9)
-                    print(f"data: {meta['n_rows']}/{max_rows} rows, {meta['n_sequences']} sequences, "
-                          f"{rate:.0f} rows/s", file=sys.stderr, flush=True)
+            writer.tick(max_rows, progress)
     finally:
-        meta["seconds"] = seconds_before + time.monotonic() - t_start
         writer.close()
         engine.close()
     return open_dataset(folder)
+
+
+def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], folder: str | os.PathLike[str], *,
+            n_threads: int | None = None, progress: bool = True) -> Dataset:
+    """The source folder's sequences (tokens, trainable rows) with features and greedy tokens
+    computed again by this fork's target, into folder (resuming where it stopped)."""
+    from ikdflash.model import Model
+
+    old = open_dataset(source)
+    folder = Path(folder)
+    if folder.resolve() == old.folder.resolve():
+        raise DataError(f"{folder}: refresh writes a new folder, not the one it reads")
+    seq_len = max(int(n) for _, n in old.index)
+    with Model(target, n_ctx=seq_len, n_batch=512, n_threads=n_threads) as model:
+        request = {"target": os.path.basename(os.fspath(target)), "n_embd": model.n_embd, "n_vocab": model.n_vocab,
+                   "layer_ids": old.meta["layer_ids"], "width": old.width, "kind": old.meta["kind"],
+                   "seq_len": old.meta["seq_len"], "system": old.meta.get("system"), "refreshed_from": str(old.folder)}
+        if (model.n_embd, model.n_vocab) != (old.meta["n_embd"], old.meta["n_vocab"]):
+            raise DataError(f"{old.folder}: made for a target with n_embd {old.meta['n_embd']}, vocabulary "
+                            f"{old.meta['n_vocab']}; {target} has {model.n_embd}, {model.n_vocab}")
+        writer = _Writer(folder, _start_meta(folder, request))
+        try:
+            for first, n in old.index[writer.meta["n_sequences"]:]:
+                tokens = old.tokens[first:first + n].tolist()
+                features, greedy = model._native.layer_features(tokens, list(old.meta["layer_ids"]))
+                writer.append(tokens, greedy, np.asarray(old.trainable[first:first + n]), features)
+                writer.meta["conversations_done"] = writer.meta["n_sequences"]
+                writer.tick(old.n_rows, progress)
+        finally:
+            writer.close()
+    return open_dataset(folder)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ikdflash.train.data", description="Training data folders.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    again = sub.add_parser("refresh", help="a folder's sequences through this fork's target again, into a new folder")
+    again.add_argument("--target", required=True, help="the target GGUF (the one the data was made with)")
+    again.add_argument("--threads", type=int)
+    again.add_argument("source", type=Path)
+    again.add_argument("folder", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        dataset = refresh(args.target, args.source, args.folder, n_threads=args.threads)
+    except (DataError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{dataset.folder}: {dataset.n_rows} rows in {dataset.meta['n_sequences']} sequences "
+          f"({dataset.meta['seconds'] / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
