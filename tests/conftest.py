@@ -65,10 +65,9 @@ def oracle_pair(tiny_model, tiny_draft, tmp_path_factory):
     """A target whose head is all zeros, so it always picks token 0, and two drafts borrowing
     heads: one that agrees (the same zero head) and one that never proposes token 0."""
     folder = tmp_path_factory.mktemp("oracle")
-    base = tiny_model("llama")
-    n_vocab = len(gguf.GGUFReader(base).fields["tokenizer.ggml.tokens"].contents())
+    target = tiny_model("llama", zero_head=True)
+    n_vocab = len(gguf.GGUFReader(target).fields["tokenizer.ggml.tokens"].contents())
     n_embd = 64
-    target = rewrite(base, folder / "zero-head.gguf", tensors={"output.weight": np.zeros((n_vocab, n_embd))})
     right = tiny_draft(target, target_layer_ids=[1], block_size=8, layer_types=["full_attention"])
     # a head with rows u and -u for tokens 1 and 2: one of them is positive, token 0 stays at 0
     u = np.random.default_rng(0).standard_normal(n_embd)

@@ -78,6 +78,9 @@ class TinySpec:
     # GGML type of the projection matrices ("F32", or a block quant gguf-py writes, e.g.
     # "Q4_1"): the CPU kernels for quantized weights take other paths than F32's.
     weight_type: str = "F32"
+    # An all-zero head: every logit ties, so greedy decoding picks token 0 forever, and a draft
+    # borrowing this head always agrees (the always-right pair of tests and benchmarks).
+    zero_head: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -258,6 +261,8 @@ def _embeddings(w: _Weights, s: TinySpec, n_vocab: int) -> None:
     # Zero logits for the non-ASCII byte tokens: a lone byte >= 0x80 is invalid UTF-8, which
     # llama-server cannot put into JSON, so greedy text must stay ASCII to be served at all.
     w.tensors["output.weight"][0x80:0x100] = 0.0
+    if s.zero_head:
+        w.tensors["output.weight"][:] = 0.0
 
 
 def _dense_layer(w: _Weights, s: TinySpec, il: int) -> None:
