@@ -57,6 +57,9 @@ def test_plain_generation_equals_the_model(pairs):
 
 @pytest.mark.parametrize("n_max", [1, 4, 7])
 def test_a_draft_that_is_always_right(oracle_pair, n_max):
+    """Both heads are all zeros, so every id ties: the draft's greedy tokens come from the
+    backend's argmax, which must pick the first maximum (id 0), as the target's sampler does;
+    ggml's CPU argmax picked the last one (patch 0026)."""
     target, right, _ = oracle_pair
     with Engine(target, right, n_ctx=256) as engine:
         out = engine.speculate("hello there", max_tokens=1 + 8 * (n_max + 1), n_max=n_max)

@@ -768,8 +768,9 @@ void rebuild_rings(dflash_draft & d, dflash_cache & c) {
 
 // One draft step. The whole block runs through the layers (attention needs every row), but the
 // head, which costs more than the layers for a large vocabulary, runs only on block rows
-// head_row0 .. head_row0 + n_head - 1; their logits go to logits_out (or a scratch buffer) and the
-// argmax of every head row past row 0 to tokens_out.
+// head_row0 .. head_row0 + n_head - 1. The first-maximum argmax of every head row past row 0 goes
+// to tokens_out; the logits leave the backend only when logits_out asks for them (sampling):
+// greedy steps read n_head ids, not n_head x n_vocab floats from a GPU.
 void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t start, int head_row0, int n_head,
               float * logits_out, llama_token * tokens_out) {
     const int B = d.block_size;
@@ -837,8 +838,13 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
     if (d.logit_softcap > 0.0f) {
         logits = ggml_scale(ctx, ggml_tanh(ctx, ggml_scale(ctx, logits, 1.0f / d.logit_softcap)), d.logit_softcap);
     }
-    ggml_set_output(logits);
-    ggml_build_forward_expand(gf, logits);
+    ggml_tensor * ids = ggml_argmax(ctx, logits);
+    ggml_set_output(ids);
+    ggml_build_forward_expand(gf, ids);
+    if (logits_out) {
+        ggml_set_output(logits);
+        ggml_build_forward_expand(gf, logits);
+    }
     d.allocate(d.sched_step, gf);
 
     std::vector<llama_token> block(B, d.mask_token);
@@ -857,12 +863,13 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
         ggml_backend_tensor_set(masks[il], mask.data(), 0, ggml_nbytes(masks[il]));
     }
     d.compute(d.sched_step, gf, "the draft step");
-    std::vector<float> host(logits_out ? 0 : (size_t) d.n_vocab * n_head);
-    float * out = logits_out ? logits_out : host.data();
-    ggml_backend_tensor_get(logits, out, 0, ggml_nbytes(logits));
+    if (logits_out) {
+        ggml_backend_tensor_get(logits, logits_out, 0, ggml_nbytes(logits));
+    }
+    std::vector<int32_t> best(n_head);
+    ggml_backend_tensor_get(ids, best.data(), 0, ggml_nbytes(ids));
     for (int j = std::max(1, head_row0); j < head_row0 + n_head; ++j) {
-        const float * row = out + (size_t) (j - head_row0) * d.n_vocab;
-        tokens_out[j - 1] = (llama_token) (std::max_element(row, row + d.n_vocab) - row);
+        tokens_out[j - 1] = best[j - head_row0];
     }
 }
 
