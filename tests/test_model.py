@@ -1,5 +1,8 @@
 """Loading targets in the fork, the tokenizer, greedy generation, and the errors bad files get."""
 
+import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -60,6 +63,36 @@ def test_quantized_rows_not_a_multiple_of_128_give_the_same_states_in_any_batch(
         chunked, _ = model._native.layer_features(tokens, [model.n_layer - 2])
     error = np.abs(whole - chunked).max() / np.abs(chunked).max()
     assert error < 0.02, f"states differ by {100 * error:.1f}% between a batch of 48 and batches of 8"
+
+
+DECODE_PAST_256_KEYS = """
+import json, sys
+from ikdflash import Engine
+path, threads = sys.argv[1], int(sys.argv[2])
+with Engine(path, None, n_ctx=640, n_batch=1, n_threads=threads) as engine:
+    for length in (254, 256, 258):
+        prompt = [3 + (7 * i) % 240 for i in range(length)]
+        out = engine.generate(prompt, max_tokens=6, logprobs=1)
+        print(json.dumps([t.logprob for t in out.logprobs]))
+"""
+
+
+def test_a_decode_just_past_256_cached_keys_is_the_same_on_one_or_two_threads(tiny_model):
+    """One query row's keys are narrowed to the span the mask leaves (257-290 keys here, of a cache
+    padded to 512) and split over threads into more chunks than the whole cache's split; the CPU
+    flash attention's scratch was sized for the latter (patch 0027). Here the CPU backend's work
+    buffer, which only grows, usually hides the overrun (it showed once as glibc's "corrupted size
+    vs. prev_size"); AddressSanitizer with ggml instrumented (.ci/sanitize) sees it. Prompts go in
+    one token at a time so no larger graph grows the buffer first. Grouped-query heads of 64, as
+    SmolLM2's; in a subprocess, since heap corruption may abort."""
+    path = tiny_model("llama", n_layer=2, n_embd=576, n_head=9, n_head_kv=3, head_dim=64, n_ff=256)
+    runs = [subprocess.run([sys.executable, "-c", DECODE_PAST_256_KEYS, str(path), str(threads)],
+                           capture_output=True, text=True, timeout=120) for threads in (1, 2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    one, two = ([json.loads(line) for line in run.stdout.splitlines()] for run in runs)
+    # the two splits add the same terms in another order: F32 rounding only
+    assert np.allclose(one, two, rtol=0, atol=1e-4), (one, two)
 
 
 def test_generation_stops_at_the_context_limit(tiny_model):
