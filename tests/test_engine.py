@@ -130,7 +130,7 @@ def test_the_draft_runs_where_the_target_keeps_its_head(pairs, arch):
     without GPU backends runs everything on the CPU (as llama.cpp ignores -ngl there); on a GPU
     build the same cases place the draft on CUDA0 and still reproduce plain decoding."""
     target, draft = pairs[arch]
-    gpu = "CUDA0" if build_info()["gpu_offload"] else "CPU"
+    gpu = "CUDA0" if "CUDA" in build_info()["backends"] else "CPU"
     cases = [(0, -1, "CPU"), (0, 0, "CPU"), (99, -1, gpu), (0, 1, gpu)]
     for n_gpu_layers, n_gpu_layers_draft, expected in cases:
         with Engine(target, draft, n_ctx=256, n_batch=16, n_gpu_layers=n_gpu_layers,

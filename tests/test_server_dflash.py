@@ -68,7 +68,7 @@ def test_the_draft_is_placed_like_the_target(swa_pairs, tmp_path):
     request = {"prompt": PROMPT, "n_predict": 24, "temperature": 0, "ignore_eos": True}
     with Server(target, ctx_size=CTX, n_threads=2, extra_args=["-ngl", "99"]) as url:
         plain = post_json(url + "/completion", request)["content"]
-    follow = "CUDA0" if build_info()["gpu_offload"] else "CPU"
+    follow = "CUDA0" if "CUDA" in build_info()["backends"] else "CPU"
     for ngld, expected in (("-1", follow), ("0", "CPU")):
         log = tmp_path / f"ngld{ngld}.log"
         args = dflash_args(draft) + ["-ngl", "99" if ngld == "-1" else "0", "-ngld", ngld]

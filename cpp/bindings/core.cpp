@@ -21,6 +21,9 @@ py::dict build_info() {
 #ifdef GGML_USE_CUDA
     backends.append("CUDA");
 #endif
+#ifdef GGML_USE_RPC
+    backends.append("RPC");  // remote workers (--rpc): offload is possible without a local GPU
+#endif
     info["backends"] = backends;
     info["gpu_offload"] = llama_supports_gpu_offload();
     return info;

@@ -554,8 +554,13 @@ void place(dflash_draft & d, const llama_model * target, const dflash_draft_para
     if (params.n_gpu_layers < 0 ? head_on_device : params.n_gpu_layers > 0) {
         d.device = head_on_device ? init_backend_for(head_buft) : init_first_accelerator();
         if (d.device == nullptr && head_on_device) {
-            fail("the target's output layer is in %s memory, for which there is no backend to run the draft on",
-                 ggml_backend_buft_name(head_buft));
+            const char * where = ggml_backend_buft_name(head_buft);
+            if (strncmp(where, "RPC", 3) == 0) {
+                fail("the target's output layer is on an RPC worker (%s), but the draft borrows it and runs here: "
+                     "offload at most the target's %d layers (-ngl), so the output layer stays local", where,
+                     llama_n_layer(target));
+            }
+            fail("the target's output layer is in %s memory, for which there is no backend to run the draft on", where);
         }
     }
     d.cpu = ggml_backend_cpu_init();

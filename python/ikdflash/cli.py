@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ikdflash import __version__, bench, chat_repl, convert, doctor, download, generate, models, serve, train
+from ikdflash import (__version__, bench, chat_repl, convert, doctor, download, generate, models, rpc_worker, serve,
+                      train)
 
 SUBCOMMANDS = {"generate": generate, "chat": chat_repl, "serve": serve, "bench": bench, "download": download,
-               "doctor": doctor, "models": models, "convert": convert, "train": train}
+               "doctor": doctor, "models": models, "convert": convert, "train": train, "rpc-worker": rpc_worker}
 
 
 def build_parser() -> argparse.ArgumentParser:

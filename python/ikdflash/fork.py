@@ -9,11 +9,12 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 FORK_INFO_DIR = PACKAGE_DIR / "fork"
 
 
-def server_binary() -> Path:
-    """The packaged llama-server (built from the fork, with RPATHs into ikdflash/lib)."""
-    path = PACKAGE_DIR / "bin" / "llama-server"
+def server_binary(name: str = "llama-server") -> Path:
+    """A packaged program built from the fork (llama-server, rpc-server), with RPATHs into
+    ikdflash/lib."""
+    path = PACKAGE_DIR / "bin" / name
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: llama-server is missing from the package; reinstall ikdflash")
+        raise FileNotFoundError(f"{path}: {name} is missing from the package; reinstall ikdflash")
     return path
 
 

@@ -7,6 +7,7 @@
     ikdflash serve --target owner/repo:Q4_K_M --draft owner/repo/draft.gguf   # hub references
     ikdflash serve --pair qwen3.5-35b-a3b-swa                           # a known pair (download)
     ikdflash serve --target T.gguf --draft D.gguf -- --metrics -fa on  # more llama-server flags
+    ikdflash serve --target T.gguf --draft D.gguf --rpc H1:50052,H2:50052 --gpu-layers 40  # layers on workers
     IKDFLASH_API_KEY=... ikdflash serve --host 0.0.0.0                 # clients send the key
 
 Before starting it checks that both files are GGUFs and that the draft matches the target, and
@@ -24,6 +25,7 @@ import argparse
 import os
 import shlex
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -47,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draft placement (-ngld): default follows the target's output layer, "
                              "0 keeps it on the CPU")
     parser.add_argument("--parallel", type=int, default=1, help="slots serving requests at once (default 1)")
+    parser.add_argument("--rpc", metavar="HOST:PORT,...",
+                        help="RPC workers (ikdflash rpc-worker) that hold the offloaded target layers (--gpu-layers); "
+                             "keep the output layer here (--gpu-layers <= the target's layer count): the draft "
+                             "borrows it")
     parser.add_argument("--alias", help="the model name the API reports (default: the target's file name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--api-key-file", type=Path,
@@ -73,6 +79,8 @@ def build_server(args: argparse.Namespace) -> Server:
         extra += ["--alias", args.alias]
     if args.gpu_layers is not None:
         extra += ["-ngl", str(args.gpu_layers)]
+    if args.rpc:
+        extra += ["--rpc", ",".join(_check_rpc_workers(args.rpc))]
     if args.gpu_layers_draft is not None:
         extra += ["-ngld", str(args.gpu_layers_draft)]
     if args.api_key_file is not None:
@@ -90,6 +98,29 @@ def build_server(args: argparse.Namespace) -> Server:
                   log_file=args.log_file, log_to_stdout=args.log_file is None,
                   startup_timeout=args.startup_timeout, on_wait=progress,
                   api_key=os.environ.get("IKDFLASH_API_KEY") or None)
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host.strip("[]"), port), timeout=3):
+            return True
+    except OSError:
+        return False
+
+
+def _check_rpc_workers(spec: str) -> list[str]:
+    """host:port endpoints, each listening: llama-server itself only says it could not connect."""
+    workers = [w.strip() for w in spec.split(",") if w.strip()]
+    for worker in workers:
+        host, _, port = worker.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--rpc {worker!r}: expected HOST:PORT")
+        if not _listening(host, int(port)):
+            raise ValueError(f"--rpc {worker}: no RPC worker listens there; start one with "
+                             f"`ikdflash rpc-worker --host {host} --port {port}` on that machine")
+    if not workers:
+        raise ValueError("--rpc: no worker given")
+    return workers
 
 
 def _check_key_file(path: Path) -> None:

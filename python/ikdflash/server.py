@@ -62,7 +62,7 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def _end_with(parent: int) -> Callable[[], None] | None:
+def end_with(parent: int) -> Callable[[], None] | None:
     """For Popen's preexec_fn: on Linux, the server gets SIGTERM when its parent dies, however it dies
     (SIGKILL, the OOM killer, a crash), so it never outlives us holding the port and the memory.
     The signal follows the thread that started the server: start it from a thread that lives as
@@ -196,7 +196,7 @@ class Server:
             self._write_key_file()
             self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=output,
                                             stderr=subprocess.STDOUT, start_new_session=True, cwd=workdir,
-                                            env={**os.environ, **self.env}, preexec_fn=_end_with(os.getpid()))
+                                            env={**os.environ, **self.env}, preexec_fn=end_with(os.getpid()))
             self._wait_ready()
         except BaseException:
             self.stop()
