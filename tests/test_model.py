@@ -1,6 +1,7 @@
 """Loading targets in the fork, the tokenizer, greedy generation, and the errors bad files get."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -78,16 +79,18 @@ with Engine(path, None, n_ctx=640, n_batch=1, n_threads=threads) as engine:
 
 
 def test_a_decode_just_past_256_cached_keys_is_the_same_on_one_or_two_threads(tiny_model):
-    """One query row's keys are narrowed to the span the mask leaves (257-290 keys here, of a cache
-    padded to 512) and split over threads into more chunks than the whole cache's split; the CPU
-    flash attention's scratch was sized for the latter (patch 0027). Here the CPU backend's work
-    buffer, which only grows, usually hides the overrun (it showed once as glibc's "corrupted size
-    vs. prev_size"); AddressSanitizer with ggml instrumented (.ci/sanitize) sees it. Prompts go in
-    one token at a time so no larger graph grows the buffer first. Grouped-query heads of 64, as
+    """With the base's split of a single query row (IKDFLASH_FA_SPLIT_ROW=1; patch 0028 made the
+    row's default path a block's), its keys are narrowed to the span the mask leaves (257-290 keys
+    here, of a cache padded to 512) and split over threads into more chunks than the whole cache's
+    split; the scratch was sized for the latter (patch 0027). Here the CPU backend's work buffer,
+    which only grows, usually hides the overrun (it showed once as glibc's "corrupted size vs.
+    prev_size"); AddressSanitizer with ggml instrumented (.ci/sanitize) sees it. Prompts go in one
+    token at a time so no larger graph grows the buffer first. Grouped-query heads of 64, as
     SmolLM2's; in a subprocess, since heap corruption may abort."""
     path = tiny_model("llama", n_layer=2, n_embd=576, n_head=9, n_head_kv=3, head_dim=64, n_ff=256)
+    split = {**os.environ, "IKDFLASH_FA_SPLIT_ROW": "1"}
     runs = [subprocess.run([sys.executable, "-c", DECODE_PAST_256_KEYS, str(path), str(threads)],
-                           capture_output=True, text=True, timeout=120) for threads in (1, 2)]
+                           capture_output=True, text=True, timeout=120, env=split) for threads in (1, 2)]
     for run in runs:
         assert run.returncode == 0, run.stderr[-2000:]
     one, two = ([json.loads(line) for line in run.stdout.splitlines()] for run in runs)

@@ -234,8 +234,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 class Check:
     """At temperature 0: where a speculative output took a token that was not the target's own
     top choice in the pass that produced it (a real loss: there must be none), and where it
-    merely turns from the target alone's (a pass over a block of tokens rounds otherwise than
-    one over a single token, so near-ties may turn), with the target alone's top-two gap there."""
+    merely turns from the target alone's, with the target alone's top-two gap there (a sign that
+    the target rounds a verification block otherwise than one token, as the CPU flash attention
+    did before patch 0028, or does with IKDFLASH_FA_SPLIT_ROW=1)."""
 
     not_the_targets_choice: list[tuple[str, int, int, int]] = field(default_factory=list)
     turns: list[tuple[str, int, int, int, float]] = field(default_factory=list)
@@ -434,7 +435,7 @@ def run(args: argparse.Namespace) -> int:
               f"{100 * gap:.1f}% apart", file=sys.stderr)
     if check.turns:
         print("ikdflash bench: note: every such token was still the target's own top choice in the pass that "
-              "produced it; a pass over a block of tokens rounds otherwise than one over a single token "
+              "produced it; the target rounded a verification block otherwise than one token here "
               "(see the README, \"Exactness\")", file=sys.stderr)
     for mode, n, i, at in check.not_the_targets_choice:
         print(f"ikdflash bench: error: not lossless: the {mode.replace('_', ' ')} output for prompt {i + 1} of "
