@@ -25,14 +25,13 @@ import argparse
 import os
 import shlex
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
 
 from ikdflash.hub import HubError, add_model_arguments, resolve_models
 from ikdflash.pair import check_pair
-from ikdflash.server import Server, ServerError, free_port, is_loopback
+from ikdflash.server import Server, ServerError, accepts_connections, free_port, is_loopback
 from ikdflash.spectype import SpecType, SpecTypeError
 
 
@@ -100,14 +99,6 @@ def build_server(args: argparse.Namespace) -> Server:
                   api_key=os.environ.get("IKDFLASH_API_KEY") or None)
 
 
-def _listening(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host.strip("[]"), port), timeout=3):
-            return True
-    except OSError:
-        return False
-
-
 def _check_rpc_workers(spec: str) -> list[str]:
     """host:port endpoints, each listening: llama-server itself only says it could not connect."""
     workers = [w.strip() for w in spec.split(",") if w.strip()]
@@ -115,7 +106,7 @@ def _check_rpc_workers(spec: str) -> list[str]:
         host, _, port = worker.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"--rpc {worker!r}: expected HOST:PORT")
-        if not _listening(host, int(port)):
+        if not accepts_connections(host, int(port), timeout=3):
             raise ValueError(f"--rpc {worker}: no RPC worker listens there; start one with "
                              f"`ikdflash rpc-worker --host {host} --port {port}` on that machine")
     if not workers:

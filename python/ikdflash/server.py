@@ -39,17 +39,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def accepts_connections(host: str, port: int, timeout: float = 1.0) -> bool:
+    """Whether something listening at host:port answers a TCP connection."""
+    try:
+        with socket.create_connection((host.strip("[]"), port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def port_in_use(host: str, port: int) -> bool:
     """Whether llama-server could not have the port to itself. Its socket library binds with
     SO_REUSEPORT, so a second llama-server would share a port one already listens on (and take
     half its connections): a listener that answers counts as in use. Connections an earlier
     server left in TIME_WAIT do not, as llama-server's own bind goes through them."""
     probe = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
-    try:
-        with socket.create_connection((probe, port), timeout=1):
-            return True
-    except OSError:
-        pass
+    if accepts_connections(probe, port):
+        return True
     family = socket.AF_INET6 if ":" in probe else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
