@@ -14,7 +14,9 @@ engine in the same run. The script reports, for the engine (_core) and for llama
                  bookkeeping, the Python callback (engine), slots, HTTP and JSON (server)
 
 The server's decoding time is its own `predicted_ms`; the client's wall time (HTTP included)
-is shown beside it. Engine and server run interleaved, medians of the repeats.
+is shown beside it. The server also reports its own pass times (`draft_ms`, `verify_ms` in a
+reply's timings), which give its own bound: that tells passes that cost more in the server from
+time its loop spends elsewhere. Engine and server run interleaved, medians of the repeats.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def main() -> None:
     args = parser.parse_args()
     prompt = [(i * 7919) % 250 for i in range(64)]
     runs: dict[str, list[float]] = {k: [] for k in (
-        "tau", "draft_ms", "verify_ms", "engine_tps", "engine_elsewhere", "server_tps", "server_client_tps")}
+        "tau", "draft_ms", "verify_ms", "engine_tps", "engine_elsewhere", "server_tps", "server_client_tps",
+        "server_tau", "server_draft_ms", "server_verify_ms")}
     with tempfile.TemporaryDirectory() as tmp:
         target, draft = always_right_pair(Path(tmp))
         engine = Engine(target, draft, n_ctx=1024, n_threads=args.threads, n_gpu_layers=args.gpu_layers)
@@ -80,12 +83,18 @@ def main() -> None:
                 wall = time.perf_counter() - start - reply["timings"]["prompt_ms"] / 1e3
                 runs["server_tps"].append(reply["timings"]["predicted_n"] / reply["timings"]["predicted_ms"] * 1e3)
                 runs["server_client_tps"].append(reply["timings"]["predicted_n"] / wall)
+                steps = reply["timings"]["draft_steps"]
+                runs["server_tau"].append(reply["timings"]["predicted_n"] / steps)
+                runs["server_draft_ms"].append(reply["timings"]["draft_ms"] / steps)
+                runs["server_verify_ms"].append(reply["timings"]["verify_ms"] / steps)
         engine.close()
     row = {k: statistics.median(v) for k, v in runs.items()}
     bound = row["tau"] / (row["draft_ms"] + row["verify_ms"]) * 1e3
     # at the same pass times per step, the share of a token's time spent outside the passes
     row |= {"bound_tps": bound, "engine_ratio": row["engine_tps"] / bound, "server_ratio": row["server_tps"] / bound,
             "server_client_ratio": row["server_client_tps"] / bound, "server_elsewhere": 1 - row["server_tps"] / bound}
+    own_bound = row["server_tau"] / (row["server_draft_ms"] + row["server_verify_ms"]) * 1e3
+    row |= {"server_own_bound_tps": own_bound, "server_own_ratio": row["server_tps"] / own_bound}
     print(f"tau {row['tau']:.2f}; a step: draft {row['draft_ms']:.2f} ms + verify {row['verify_ms']:.2f} ms; "
           f"bound {bound:.0f} tok/s")
     print(f"engine (_core): {row['engine_tps']:.0f} tok/s = {row['engine_ratio']:.3f} of the bound; "
@@ -93,6 +102,9 @@ def main() -> None:
     print(f"llama-server:   {row['server_tps']:.0f} tok/s = {row['server_ratio']:.3f} of the bound "
           f"({100 * row['server_elsewhere']:.1f}% outside the passes; client side, HTTP included: "
           f"{row['server_client_tps']:.0f} tok/s = {row['server_client_ratio']:.3f})")
+    print(f"llama-server's own passes: tau {row['server_tau']:.2f}; draft {row['server_draft_ms']:.2f} ms + "
+          f"verify {row['server_verify_ms']:.2f} ms; its own bound {own_bound:.0f} tok/s, reached at "
+          f"{row['server_own_ratio']:.3f}")
     if args.json:
         args.json.write_text(json.dumps(row, indent=2))
 

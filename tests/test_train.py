@@ -60,10 +60,33 @@ def test_layer_features_are_the_targets_own(target):
     # rows do not depend on how the sequence was cut into batches (n_batch 16 here, 256 below)
     whole = _core.Model(str(target), n_ctx=256, n_batch=256)
     np.testing.assert_allclose(whole.layer_features(tokens, [0, 2])[0], features, rtol=1e-4, atol=1e-4)
+    # no layers: nothing captured (the capture's cost is measured against this), same greedy tokens
+    bare, bare_greedy = model.layer_features(tokens, [])
+    assert bare.shape == (len(tokens), 0) and list(bare_greedy) == list(greedy)
     with pytest.raises(ValueError, match="outside 0..2"):
         model.layer_features(tokens, [3])
     with pytest.raises(ValueError, match="do not fit the context"):
         model.layer_features(tokens * 20, [0])
+
+
+def test_captured_rows_are_the_reference_hidden_states(tiny_model, tmp_path):
+    """The captured layer outputs are transformers' hidden states of the same target, in one pass
+    of the whole prompt: a capture that left a layer's memory to later nodes of the graph (the
+    compute buffers' plan ignored the capture) read other layers' values here."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    target = tiny_model("qwen3")
+    reference = Qwen3ForCausalLM.from_pretrained(write_hf_target(tmp_path / "hf", target, full=True),
+                                                 dtype=torch.float32).eval()
+    tokens = [(17 * i) % 200 + 5 for i in range(40)]
+    with torch.no_grad():
+        hidden = reference(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    model = _core.Model(str(target), n_ctx=512, n_batch=512)
+    features, _ = model.layer_features(tokens, [0, 2])
+    for k, il in enumerate([0, 2]):
+        np.testing.assert_allclose(features[:, k * model.n_embd:(k + 1) * model.n_embd], hidden[il + 1][0].numpy(),
+                                   rtol=1e-2, atol=1e-2)
 
 
 def test_target_layers_keep_their_attention_scores_under_neox_rope():

@@ -402,7 +402,8 @@ py::array_t<float> attention_mask(std::vector<int32_t> key_positions, int start,
 
 // The target's outputs at layer_ids for every position of tokens (one fresh pass, the KV cache
 // cleared first), and the target's greedy next token at each position: the training data of a
-// draft, from the same capture the speculative loop uses.
+// draft, from the same capture the speculative loop uses. No layer ids: no capture at all (the
+// features have width 0), which is what the capture's cost is measured against.
 py::tuple layer_features(Model & model, const std::vector<llama_token> & tokens, const std::vector<int32_t> & layer_ids) {
     model.check_tokens(tokens);
     llama_context * ctx = model.raw_context();
@@ -414,9 +415,6 @@ py::tuple layer_features(Model & model, const std::vector<llama_token> & tokens,
         throw py::value_error(std::to_string(n) + " tokens do not fit the context of " +
                               std::to_string(llama_n_ctx(ctx)) + ": load the model with a larger n_ctx");
     }
-    if (layer_ids.empty()) {
-        throw py::value_error("layer_ids is empty: name at least one target layer");
-    }
     const int width = (int) layer_ids.size() * model.n_embd();
     const int n_vocab = model.n_vocab();
     py::array_t<float> features({n, width});
@@ -424,10 +422,12 @@ py::tuple layer_features(Model & model, const std::vector<llama_token> & tokens,
     float * feat = features.mutable_data();
     int32_t * next = greedy.mutable_data();
     const std::string error = model.exclusive([&]() -> std::string {
-        std::unique_ptr<dflash_capture, decltype(&dflash_capture_free)> capture(
-            dflash_capture_init_layers(ctx, layer_ids.data(), (int) layer_ids.size()), &dflash_capture_free);
-        if (!capture) {
-            throw py::value_error(dflash_last_error());  // carried out of the GIL-free region by value
+        std::unique_ptr<dflash_capture, decltype(&dflash_capture_free)> capture(nullptr, &dflash_capture_free);
+        if (!layer_ids.empty()) {
+            capture.reset(dflash_capture_init_layers(ctx, layer_ids.data(), (int) layer_ids.size()));
+            if (!capture) {
+                throw py::value_error(dflash_last_error());  // carried out of the GIL-free region by value
+            }
         }
         std::string error;
         const int n_batch = (int) llama_n_batch(ctx);
@@ -443,14 +443,17 @@ py::tuple layer_features(Model & model, const std::vector<llama_token> & tokens,
                 batch.seq_id[j][0] = 0;
                 batch.logits[j] = true;
             }
-            dflash_capture_begin(capture.get(), true);
+            if (capture) {
+                dflash_capture_begin(capture.get(), true);
+            }
             const int rc = llama_decode(ctx, batch);
-            dflash_capture_begin(capture.get(), false);
+            if (capture) {
+                dflash_capture_begin(capture.get(), false);
+            }
             if (rc != 0) {
                 error = "the target's decode failed (code " + std::to_string(rc) + ") at position " + std::to_string(i);
-            } else if (dflash_capture_check(capture.get(), m) != 0) {
-                error = dflash_last_error();
-            } else if (dflash_capture_features(capture.get(), feat + (size_t) i * width, m) != 0) {
+            } else if (capture && (dflash_capture_check(capture.get(), m) != 0 ||
+                                   dflash_capture_features(capture.get(), feat + (size_t) i * width, m) != 0)) {
                 error = dflash_last_error();
             }
             for (int j = 0; j < m && error.empty(); ++j) {

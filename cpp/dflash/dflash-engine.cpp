@@ -1,6 +1,6 @@
 // The DFlash speculative loop over one target sequence (docs: dflash.md, "Verification and
-// commit"). Target layer outputs are captured through the context's eval callback for every row
-// the target processes; committed rows go to the draft's cross-context.
+// commit"). Target layer outputs are captured through the context's layer tap for every row the
+// target processes; committed rows go to the draft's cross-context.
 
 #include "dflash.h"
 #include "dflash-impl.h"
@@ -9,7 +9,7 @@
 #include <random>  // before llama-context.h, whose sampling header needs it
 
 #include "ggml-backend.h"
-#include "llama-context.h"  // the eval callback and the recurrent state tensors
+#include "llama-context.h"  // the layer tap and the recurrent state tensors
 #include "llama-model.h"
 
 #include <algorithm>
@@ -31,58 +31,41 @@ double now_ms() {
 
 }  // namespace
 
-// Copies the outputs of the draft's target layers ("l_out-<il>") out of every target pass.
+// Copies the outputs of the draft's target layers ("l_out-<il>") out of every target pass, through
+// the context's layer tap: the graph keeps them as outputs and hands them over once computed.
 struct dflash_capture {
     llama_context * ctx = nullptr;
-    ggml_backend_sched_eval_callback previous_cb = nullptr;
-    void * previous_cb_data = nullptr;
     std::vector<int> layer_ids;            // in the draft's order
     int n_embd = 0;
     bool active = false;
     bool failed = false;                   // the last pass handed over an output we cannot read
     std::vector<std::vector<float>> rows;  // per captured layer: n_embd floats per batch token
 
-    ~dflash_capture() {
-        ctx->cparams.cb_eval = previous_cb;
-        ctx->cparams.cb_eval_user_data = previous_cb_data;
-    }
+    ~dflash_capture() { ctx->set_layer_tap({}); }
 
-    int slot_of(const ggml_tensor * t) const {
-        const char * name = ggml_get_name(t);
-        if (strncmp(name, "l_out-", 6) != 0) {
-            return -1;
-        }
-        const int il = atoi(name + 6);
-        for (size_t i = 0; i < layer_ids.size(); ++i) {
-            if (layer_ids[i] == il) {
-                return (int) i;
-            }
-        }
-        return -1;
-    }
-
-    // The scheduler asks first (ask = true) whether we want a tensor, then hands it over once
-    // computed; ubatches arrive in order, so appending keeps rows in batch order.
-    static bool callback(ggml_tensor * t, bool ask, void * user_data) {
+    // Called after each ubatch's compute; ubatches arrive in order, so appending keeps rows in
+    // batch order. One sync for the pass, then every layer's rows.
+    static void on_computed(void * user_data, ggml_tensor * const * outputs, int n_outputs) {
         auto * self = (dflash_capture *) user_data;
-        const int slot = self->active ? self->slot_of(t) : -1;
-        if (ask) {
-            return slot >= 0;
+        if (!self->active || self->failed) {
+            return;
         }
-        if (slot >= 0) {
-            if (t->type != GGML_TYPE_F32 || t->ne[0] != self->n_embd || dflash_fault("capture")) {
-                self->failed = true;
-                return false;  // ends the graph early: the caller checks (dflash_capture_check)
+        ggml_backend_sched_synchronize(self->ctx->sched);
+        for (int i = 0; i < n_outputs; ++i) {
+            const ggml_tensor * t = outputs[i];
+            if (t == nullptr || t->type != GGML_TYPE_F32 || t->ne[0] != self->n_embd || !ggml_is_contiguous(t) ||
+                dflash_fault("capture")) {
+                self->failed = true;  // the caller checks (dflash_capture_check)
+                return;
             }
-            std::vector<float> & out = self->rows[slot];
+            std::vector<float> & out = self->rows[i];
             const size_t before = out.size();
             out.resize(before + (size_t) ggml_nelements(t));
             ggml_backend_tensor_get(t, out.data() + before, 0, ggml_nbytes(t));
         }
-        return true;
     }
 
-    // rows of every captured layer (a pass that stopped early has fewer in the later layers)
+    // rows of every captured layer (a failed capture leaves the later layers short)
     int n_rows() const {
         size_t n = rows.empty() ? 0 : rows[0].size();
         for (const auto & r : rows) {
@@ -494,9 +477,8 @@ dflash_capture * dflash_capture_init_layers(llama_context * ctx, const int32_t *
             return nullptr;
         }
     }
-    // A second capture would chain behind the first, and freeing them out of order would
-    // reinstall a freed one: one per context.
-    if (ctx->cparams.cb_eval == dflash_capture::callback) {
+    // The context has one layer tap: a second capture would silently take it from the first.
+    if (ctx->layer_tap.on_computed != nullptr) {
         dflash_impl::last_error = "this target context already has a DFlash capture (an engine or a feature "
                                   "capture is using it): free that first, or use another context";
         return nullptr;
@@ -506,11 +488,7 @@ dflash_capture * dflash_capture_init_layers(llama_context * ctx, const int32_t *
     c->n_embd = llama_model_n_embd(llama_get_model(ctx));
     c->layer_ids.assign(layer_ids, layer_ids + n_layers);
     c->rows.resize(c->layer_ids.size());
-    // every graph build re-installs the callback from cparams, so setting it there is enough
-    c->previous_cb = ctx->cparams.cb_eval;
-    c->previous_cb_data = ctx->cparams.cb_eval_user_data;
-    ctx->cparams.cb_eval = dflash_capture::callback;
-    ctx->cparams.cb_eval_user_data = c.get();
+    ctx->set_layer_tap({c->layer_ids, dflash_capture::on_computed, c.get()});
     return c.release();
 }
 

@@ -109,7 +109,8 @@ LLAMA_API int dflash_draft_propose(dflash_draft * draft, dflash_cache * cache, l
 struct dflash_capture;  // the draft's target-layer outputs, copied out of every target pass
 struct dflash_seq;      // one sequence's DFlash state: cross-context and recurrent snapshot
 
-// Takes over the context's eval callback (restored by dflash_capture_free).
+// Taps the context's layer outputs (one capture per context; dflash_capture_free removes it). The
+// captured layers stay whole to the end of each pass: no scheduler split, one sync per ubatch.
 LLAMA_API dflash_capture * dflash_capture_init(llama_context * ctx, const dflash_draft * draft);
 // The same for target layers named directly (no draft yet: training data for a new draft).
 LLAMA_API dflash_capture * dflash_capture_init_layers(llama_context * ctx, const int32_t * layer_ids, int n_layers);
@@ -120,8 +121,7 @@ LLAMA_API void dflash_capture_begin(dflash_capture * capture, bool active);
 // Rows captured by the last pass (one per batch token, in batch order).
 LLAMA_API int  dflash_capture_n_rows(const dflash_capture * capture);
 // Call after llama_decode: 0 when the pass captured n_tokens rows of every layer. A failed capture
-// (an output of another type or width) ends the graph early while llama_decode still returns 0,
-// so the pass's logits must not be used then.
+// (an output of another type or width) leaves llama_decode's return code at 0: check first.
 LLAMA_API int  dflash_capture_check(const dflash_capture * capture, int n_tokens);
 // Copy the last pass's feature rows (layers concatenated in capture order) into out, which holds
 // n_rows x n_layers x n_embd floats. Returns 0 on success.
@@ -188,7 +188,7 @@ enum dflash_end_reason {
 // the generation there. For streaming and stop strings.
 typedef bool (*dflash_commit_callback)(const llama_token * tokens, int n_tokens, void * user_data);
 
-// The engine takes over the target context's eval callback (to capture layer outputs).
+// The engine holds the target context's capture (dflash_capture_init) while it lives.
 // draft may be NULL: the engine then only generates with the target.
 LLAMA_API dflash_engine * dflash_engine_init(llama_context * target, dflash_draft * draft, dflash_engine_params params);
 LLAMA_API void dflash_engine_free(dflash_engine * engine);

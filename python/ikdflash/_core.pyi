@@ -30,7 +30,8 @@ class Model:
                        ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int32]]:
         """One pass over tokens (KV cache cleared): the outputs of the target layers layer_ids,
         concatenated per position ([n, len(layer_ids) * n_embd]), and the greedy next token at
-        each position ([n]). The last layer is refused (the fork keeps only its logit rows)."""
+        each position ([n]). The last layer is refused (the fork keeps only its logit rows). No
+        layer ids: nothing is captured and the features are [n, 0]."""
     def meta(self, key: str) -> str: ...
     @property
     def path(self) -> str: ...
