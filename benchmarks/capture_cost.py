@@ -48,9 +48,9 @@ def main() -> None:
     print(f"{'tokens':>7} {'passes':>7} {'no capture ms':>14} {'capture ms':>11} {'ratio':>6}")
     for n in args.tokens:
         n_passes = max(2, min(64, RUN_POSITIONS // n))
-        tokens = [(17 * i) % 5000 + 100 for i in range(n * n_passes)]
-        model = _core.Model(args.target, n_ctx=len(tokens), n_threads=args.threads,
+        model = _core.Model(args.target, n_ctx=n * n_passes, n_threads=args.threads,
                             n_gpu_layers=args.gpu_layers, n_batch=n)
+        tokens = [(17 * i + 100) % model.n_vocab for i in range(n * n_passes)]
         pass_ms(model, tokens, args.layers, n_passes)  # warm-up: buffers sized, caches filled
         times: dict[str, list[float]] = {"off": [], "on": []}
         for _ in range(args.repeats):

@@ -103,6 +103,8 @@ def test_statistics_add_up_and_reach_metrics(oracle_pair, tmp_path):
     assert t["draft_n"] == t["draft_n_accepted"] == 16  # 4 steps of 4, then one token of the target's own
     assert t["draft_steps"] == 4 and t["draft_mean_accept_len"] == 5.0
     assert t["draft_drafted_at"] == t["draft_accepted_at"] == [4, 4, 4, 4]
+    # the passes' own times, inside the decoding time they are part of
+    assert 0 < t["draft_ms"] and 0 < t["verify_ms"] and t["draft_ms"] + t["verify_ms"] < t["predicted_ms"]
     assert "llamacpp:draft_tokens_total 16" in metrics
     assert "llamacpp:draft_tokens_accepted_total 16" in metrics
     assert "llamacpp:draft_steps_total 4" in metrics

@@ -72,7 +72,8 @@ def test_layer_features_are_the_targets_own(target):
 def test_captured_rows_are_the_reference_hidden_states(tiny_model, tmp_path):
     """The captured layer outputs are transformers' hidden states of the same target, in one pass
     of the whole prompt: a capture that left a layer's memory to later nodes of the graph (the
-    compute buffers' plan ignored the capture) read other layers' values here."""
+    compute buffers' plan ignored the capture) read other layers' values here. With a CUDA build
+    the target runs on the GPU too, where fused kernels must still write the tapped outputs."""
     import torch
     from transformers import Qwen3ForCausalLM
 
@@ -82,11 +83,13 @@ def test_captured_rows_are_the_reference_hidden_states(tiny_model, tmp_path):
     tokens = [(17 * i) % 200 + 5 for i in range(40)]
     with torch.no_grad():
         hidden = reference(torch.tensor([tokens]), output_hidden_states=True).hidden_states
-    model = _core.Model(str(target), n_ctx=512, n_batch=512)
-    features, _ = model.layer_features(tokens, [0, 2])
-    for k, il in enumerate([0, 2]):
-        np.testing.assert_allclose(features[:, k * model.n_embd:(k + 1) * model.n_embd], hidden[il + 1][0].numpy(),
-                                   rtol=1e-2, atol=1e-2)
+    for gpu_layers in (0, 99) if "CUDA" in _core.build_info()["backends"] else (0,):
+        model = _core.Model(str(target), n_ctx=512, n_batch=512, n_gpu_layers=gpu_layers)
+        features, _ = model.layer_features(tokens, [0, 2])
+        for k, il in enumerate([0, 2]):
+            np.testing.assert_allclose(features[:, k * model.n_embd:(k + 1) * model.n_embd],
+                                       hidden[il + 1][0].numpy(), rtol=1e-2, atol=1e-2)
+        model.close()
 
 
 def test_target_layers_keep_their_attention_scores_under_neox_rope():
