@@ -192,7 +192,10 @@ def filtered(logprobs, temperature: float, top_k: int = 0, top_p: float = 1.0, m
 def test_the_server_does_not_grow_with_requests(pair, tmp_path):
     """Every request's samplers allocated a float per vocabulary entry that was never freed (patch
     0021): ~190 KiB a request on SmolLM2's 49,152 tokens, 11 MiB over these 60 requests."""
+    import os
     from pathlib import Path as P
+    if "libasan" in os.environ.get("LD_PRELOAD", ""):
+        pytest.skip("under .ci/sanitize AddressSanitizer keeps freed memory in quarantine (RSS grew 63 MiB)")
     from ikdflash.client import post_json
 
     def rss_kib(pid: int) -> int:
