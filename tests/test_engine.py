@@ -377,6 +377,27 @@ def test_bad_sampling_options(pairs):
             engine.speculate("hi", top_q=0.5)
 
 
+def test_a_misspelt_sampling_keyword_is_a_type_error_naming_it():
+    """The sampling keywords are spelt out on every generating method, with Sampling's defaults:
+    a misspelt one fails as Python fails any call, before the engine does anything (so an
+    engine with no models loaded does here)."""
+    import dataclasses
+    import inspect
+
+    from ikdflash import Sampling
+
+    engine = Engine.__new__(Engine)
+    fields = {f.name: f.default for f in dataclasses.fields(Sampling)}
+    for name in ("speculate", "generate", "chat", "stream"):
+        method = getattr(engine, name)
+        with pytest.raises(TypeError, match=rf"Engine\.{name}\(\) got an unexpected keyword argument 'temprature'"):
+            method("hi", temprature=0.5)
+        parameters = inspect.signature(method).parameters
+        assert {p: (parameters[p].kind, parameters[p].default) for p in fields} == {
+            p: (inspect.Parameter.KEYWORD_ONLY, default) for p, default in fields.items()}, name
+        assert not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()), name
+
+
 def test_a_moe_targets_first_generation_is_like_the_next(pairs):
     """The base ran a context's first single-token pass of BOS as a warm-up, with every expert
     (patch 0022): here the first sampled token is BOS, so the next one came from other logits

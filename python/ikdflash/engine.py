@@ -86,6 +86,16 @@ class Sampling:
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
 
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any]) -> Sampling:
+        """The Sampling named by a call's arguments (an Engine method's ``locals()``)."""
+        return cls(**{f.name: arguments[f.name] for f in dataclasses.fields(cls)})
+
+
+_S = Sampling()
+"""The defaults, as the C library's dflash_sampling_default() has them; the Engine methods'
+sampling keywords take theirs from here."""
+
 
 @dataclass
 class TokenLogprobs:
@@ -175,31 +185,45 @@ class Engine:
     def block_size(self) -> int:
         return self.draft.info()["block_size"] if self.draft else 1
 
+    # Every generating method takes the sampling keywords of Sampling (its docstring says what
+    # each does), spelt out so that a misspelt one is Python's own TypeError; Sampling.of(locals())
+    # collects them, and their defaults are _S's.
+
     def speculate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int = 4,
-                  stop: Sequence[str] = (), stream: bool = False, **sampling: Any) -> SpeculationResult | TextStream:
+                  stop: Sequence[str] = (), stream: bool = False,
+                  temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
+                  min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
+                  repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
+                  logprobs: int = _S.logprobs) -> SpeculationResult | TextStream:
         """Generate with DFlash: draft up to n_max tokens per step (capped at block_size - 1).
         ``stop``: strings that end the text (not included). ``stream=True``: a TextStream of
-        text pieces instead, as stream() returns. ``sampling``: the fields of Sampling
-        (temperature, seed, top_k, top_p, min_p, repeat_penalty, repeat_last_n, logprobs)."""
+        text pieces instead, as stream() returns. The sampling keywords are Sampling's."""
         if self.draft is None:
             raise ValueError("speculate() needs a draft model; use generate() for the target alone")
         if n_max < 1:
             raise ValueError(f"n_max must be at least 1, got {n_max}")
-        return self._run(prompt, max_tokens, n_max, Sampling(**sampling), stop, stream)
+        return self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, stream)
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, stop: Sequence[str] = (),
-                 stream: bool = False, **sampling: Any) -> SpeculationResult | TextStream:
+                 stream: bool = False,
+                 temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
+                 min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
+                 repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
+                 logprobs: int = _S.logprobs) -> SpeculationResult | TextStream:
         """Generate with the target alone, through the same loop (the baseline)."""
-        return self._run(prompt, max_tokens, 0, Sampling(**sampling), stop, stream)
+        return self._run(prompt, max_tokens, 0, Sampling.of(locals()), stop, stream)
 
     def chat(self, messages: Sequence[Mapping[str, str] | tuple[str, str]], *, max_tokens: int = 256,
              n_max: int = 4, stop: Sequence[str] = (), stream: bool = False,
-             **sampling: Any) -> SpeculationResult | TextStream:
+             temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
+             min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
+             repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
+             logprobs: int = _S.logprobs) -> SpeculationResult | TextStream:
         """Answer a conversation ({"role", "content"} dicts or (role, content) pairs) in the
         target's own chat template (ChatML when the GGUF has none), as llama-server's Jinja path
         renders it. With the target alone when the engine has no draft."""
-        return self._run(self.chat_tokens(messages), max_tokens, n_max if self.draft else 0, Sampling(**sampling),
-                         stop, stream)
+        sampling = Sampling.of(locals())
+        return self._run(self.chat_tokens(messages), max_tokens, n_max if self.draft else 0, sampling, stop, stream)
 
     def chat_tokens(self, messages: Sequence[Mapping[str, str] | tuple[str, str]]) -> list[int]:
         """The prompt chat() sends: the conversation in the target's template, ready for its reply."""
@@ -211,12 +235,16 @@ class Engine:
         return self.target.tokenize(text, add_special=False, parse_special=True)
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int = 4,
-               stop: Sequence[str] = (), **sampling: Any) -> TextStream:
+               stop: Sequence[str] = (),
+               temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
+               min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
+               repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
+               logprobs: int = _S.logprobs) -> TextStream:
         """Text pieces as each step commits them (n_max 0: the target alone); the stream's
         ``result`` has the tokens, statistics and finish_reason once it is exhausted."""
         if n_max > 0 and self.draft is None:
             raise ValueError("this engine has no draft: stream with n_max=0")
-        return self._run(prompt, max_tokens, n_max, Sampling(**sampling), stop, True)
+        return self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, True)
 
     def _run(self, prompt: str | Sequence[int], max_tokens: int, n_max: int, sampling: Sampling,
              stop: Sequence[str], stream: bool) -> SpeculationResult | TextStream:
