@@ -17,6 +17,18 @@ from gguf_edit import rewrite
 
 TARGET_ARCHS = ("llama", "qwen3", "qwen35moe")
 
+# Drafting that costs nothing: the adaptive block length (on by default) then verifies every draft
+# it may, as the fixed block length does, on any machine. Its choices on this machine's own costs
+# depend on the machine's speed; the tests that look at them (test_adaptive.py) set their own.
+FREE_DRAFTS = "0.000001:1"
+
+
+@pytest.fixture(autouse=True)
+def fixed_pass_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test, and the servers and commands it starts, sees IKDFLASH_COSTS=FREE_DRAFTS unless
+    it sets or deletes the variable itself."""
+    monkeypatch.setenv("IKDFLASH_COSTS", FREE_DRAFTS)
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:

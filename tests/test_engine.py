@@ -30,7 +30,8 @@ def pairs(tiny_model, tiny_draft):
 
 @pytest.mark.parametrize("arch", TARGET_ARCHS)
 @pytest.mark.parametrize("cross_ctx", [4, 64])
-def test_greedy_speculation_is_lossless(pairs, arch, cross_ctx):
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_speculation_is_lossless(pairs, arch, cross_ctx, adaptive):
     target, draft = pairs[arch]
     with Engine(target, draft, n_ctx=512, n_batch=16, cross_ctx=cross_ctx, n_threads=2) as engine:
         prompt = engine.target.tokenize(PROMPT, add_special=False)
@@ -38,7 +39,7 @@ def test_greedy_speculation_is_lossless(pairs, arch, cross_ctx):
         plain = engine.generate(prompt, max_tokens=40)
         assert len(plain.tokens) == 40
         for n_max in (1, 4, 15):
-            spec = engine.speculate(prompt, max_tokens=40, n_max=n_max)
+            spec = engine.speculate(prompt, max_tokens=40, n_max=n_max, adaptive=adaptive)
             assert spec.tokens == plain.tokens, f"n_max={n_max}"
             st = spec.stats
             assert st.drafted <= n_max * st.steps
@@ -62,7 +63,7 @@ def test_a_draft_that_is_always_right(oracle_pair, n_max):
     ggml's CPU argmax picked the last one (patch 0026)."""
     target, right, _ = oracle_pair
     with Engine(target, right, n_ctx=256) as engine:
-        out = engine.speculate("hello there", max_tokens=1 + 8 * (n_max + 1), n_max=n_max)
+        out = engine.speculate("hello there", max_tokens=1 + 8 * (n_max + 1), n_max=n_max, adaptive=False)
     st = out.stats
     assert out.tokens == [0] * len(out.tokens)
     assert st.steps == 8 and st.drafted == 8 * n_max
@@ -74,7 +75,7 @@ def test_a_draft_that_is_always_right(oracle_pair, n_max):
 def test_a_draft_that_is_always_wrong(oracle_pair):
     target, _, wrong = oracle_pair
     with Engine(target, wrong, n_ctx=256) as engine:
-        out = engine.speculate("hello there", max_tokens=20, n_max=4)
+        out = engine.speculate("hello there", max_tokens=20, n_max=4, adaptive=False)
     st = out.stats
     assert st.drafted >= st.steps and st.accepted == 0
     assert st.generated == 1 + st.steps
@@ -88,7 +89,7 @@ def test_hybrid_target_continues_exactly_after_rejections(pairs):
     with Engine(target, draft, n_ctx=512, n_batch=16) as engine:
         prompt = engine.target.tokenize(PROMPT, add_special=False)
         plain = engine.generate(prompt, max_tokens=60)
-        spec = engine.speculate(prompt, max_tokens=60, n_max=4)
+        spec = engine.speculate(prompt, max_tokens=60, n_max=4, adaptive=False)
     assert spec.stats.accepted < spec.stats.drafted  # there were rejections to roll back
     assert spec.tokens == plain.tokens
 
@@ -182,7 +183,7 @@ def test_proposals_match_the_reference_end_to_end(tiny_model, tmp_path, monkeypa
 
     with Engine(target, draft, n_ctx=512) as engine:
         prompt = engine.target.tokenize(PROMPT[:120], add_special=False)
-        ours = engine.speculate(prompt, max_tokens=48, n_max=15)
+        ours = engine.speculate(prompt, max_tokens=48, n_max=15, adaptive=False)  # the reference's fixed block
 
     ref_target = Qwen3ForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     ref_draft = DFlashDraftModel.from_pretrained(checkpoint, dtype=torch.float32).eval()
@@ -227,8 +228,8 @@ def test_a_failed_capture_raises_and_the_engine_goes_on(pairs):
 def test_streamed_pieces_make_the_same_text(pairs):
     target, draft = pairs["llama"]
     with Engine(target, draft, n_ctx=512, n_batch=16) as engine:
-        whole = engine.speculate(PROMPT, max_tokens=40)
-        stream = engine.stream(PROMPT, max_tokens=40)
+        whole = engine.speculate(PROMPT, max_tokens=40, adaptive=False)  # the same steps (adaptive: timing's)
+        stream = engine.stream(PROMPT, max_tokens=40, adaptive=False)
         pieces = list(stream)
         assert len(pieces) > 1 and "".join(pieces) == whole.text
         assert stream.result.tokens == whole.tokens and stream.result.finish_reason == "length"

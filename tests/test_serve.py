@@ -82,6 +82,8 @@ def test_dry_run_prints_the_command(pair):
     assert out.returncode == 0, out.stderr
     assert "--spec-type dflash:n_max=6,cross_ctx=512" in out.stdout
     assert "-c 2048" in out.stdout and "-ngl 99 -ngld 0" in out.stdout and out.stdout.strip().endswith("--metrics")
+    fixed = serve("--target", str(target), "--draft", str(draft), "--no-adaptive", "--dry-run")
+    assert fixed.returncode == 0 and "--spec-type dflash:n_max=4,adaptive=0" in fixed.stdout
 
 
 def test_warns_when_the_window_cannot_engage(tiny_model, tiny_draft):
@@ -154,6 +156,10 @@ def test_spec_type_grammar_round_trip():
     with pytest.raises(SpecTypeError, match="p_min must be a number in"):
         SpecType(p_min=2.0)
     assert SpecType.parse("dflash:min_accept=0.25") == SpecType(min_accept=0.25)
+    assert SpecType.parse("dflash:adaptive=0") == SpecType(adaptive=False)
+    assert SpecType(n_max=4, adaptive=False).flag() == "dflash:n_max=4,adaptive=0"
+    with pytest.raises(SpecTypeError, match="adaptive must be 0 or 1, got '2'"):
+        SpecType.parse("dflash:adaptive=2")
     with pytest.raises(SpecTypeError, match="min_accept must be a number in"):
         SpecType(min_accept=-0.5)
 

@@ -241,6 +241,8 @@ def test_mainline_spellings_are_accepted(swa_pairs, tmp_path):
     ("dflash:cross_ctx=0", True, "cross_ctx must be at least 1, got 0"),
     ("dflash:n_max=four", True, "n_max=four is not an integer"),
     ("dflash:min_accept=2", True, "min_accept must be a number in [0, 1], got '2'"),
+    ("dflash:adaptive=2", True, "adaptive must be 0 or 1, got '2'"),
+    ("dflash:n_max=-1", True, "n_max must be at least 1, got -1"),
     ("dflash:n_max=4", False, "--spec-type dflash needs the DFlash draft: pass it with --model-draft"),
     # 4 slots x 5 verification rows do not fit a batch of 16: an assert at the first busy step, before
     ("dflash:n_max=4", ["--parallel", "4", "--batch-size", "16", "--ubatch-size", "16"],

@@ -52,8 +52,9 @@ def test_lossless_and_predicting_over_core(pair, chats):
         prompts += [engine.target.tokenize(c, add_special=False, parse_special=True) for c in chats]
         accepted = steps = 0
         for i, tokens in enumerate(prompts):
-            spec = engine.speculate(tokens, max_tokens=64, n_max=4)
+            spec = engine.speculate(tokens, max_tokens=64, n_max=4, adaptive=False)  # the draft's own tau
             assert spec.tokens == engine.generate(tokens, max_tokens=64).tokens
+            assert engine.speculate(tokens, max_tokens=64, n_max=4).tokens == spec.tokens  # adaptive
             assert spec.stats is not None
             if i < 6:
                 accepted += spec.stats.accepted

@@ -1,6 +1,6 @@
 // _core.Draft and _core.Engine: the DFlash draft on its own (for tests and research: given
 // context features, a first token and a start position, the logits of one draft step), and the
-// speculative engine that drives a target with it.
+// speculative engine that drives a target with it, and its block-length controller on its own.
 
 #include "model.h"
 
@@ -10,6 +10,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 
@@ -258,6 +259,73 @@ py::tuple Draft::forward(f32_array features, i32_array positions, int first_toke
     return cache.step(first_token, start);
 }
 
+// Steps by the number of drafts they verified, 0..n_max.
+std::vector<int64_t> steps_by_verified(const dflash_adapt_stats & stats, int n_max) {
+    const int n = std::clamp(n_max, 0, DFLASH_MAX_VERIFY);
+    return std::vector<int64_t>(stats.n_steps_at, stats.n_steps_at + n + 1);
+}
+
+// The adaptive block length's controller on pass costs given, with no model: tests drive it with
+// acceptance patterns of their own. adaptive = false: the fixed block length.
+class BlockController {
+public:
+    BlockController(int n_max, const std::vector<double> & pass_ms, double draft_ms, bool adaptive) : n_max_(n_max) {
+        if (n_max < 0 || n_max > DFLASH_MAX_VERIFY) {
+            throw py::value_error("n_max must be in 0.." + std::to_string(DFLASH_MAX_VERIFY) + ", got " +
+                                  std::to_string(n_max));
+        }
+        if ((int) pass_ms.size() != n_max + 1) {
+            throw py::value_error("pass_ms needs the times of passes of 1.." + std::to_string(n_max + 1) +
+                                  " rows, got " + std::to_string(pass_ms.size()));
+        }
+        if (!(draft_ms > 0.0)) {
+            throw py::value_error("draft_ms must be positive, got " + std::to_string(draft_ms));
+        }
+        costs_.reset(dflash_costs_init(n_max + 1));
+        if (dflash_costs_set_passes(costs_.get(), pass_ms.data()) != 0) {
+            throw py::value_error(dflash_last_error());
+        }
+        dflash_costs_observe_draft(costs_.get(), draft_ms);
+        adapt_.reset(dflash_adapt_init(adaptive ? costs_.get() : nullptr, n_max));
+    }
+
+    py::tuple plan(int n_limit) {
+        const dflash_adapt_plan p = dflash_adapt_plan_step(adapt_.get(), n_limit);
+        return py::make_tuple(p.n_draft, p.n_verify);
+    }
+
+    void proposed(const std::vector<llama_token> & tokens) {
+        dflash_adapt_proposed(adapt_.get(), tokens.data(), (int) tokens.size());
+    }
+
+    void committed(int n_verified, const std::vector<llama_token> & tokens) {
+        dflash_adapt_committed(adapt_.get(), n_verified, tokens.data(), (int) tokens.size());
+    }
+
+    void reset() { dflash_adapt_reset(adapt_.get()); }
+
+    std::vector<float> acceptance() const {
+        std::vector<float> p(n_max_);
+        for (int j = 1; j <= n_max_; ++j) {
+            p[j - 1] = dflash_adapt_acceptance(adapt_.get(), j);
+        }
+        return p;
+    }
+
+    py::dict stats() const {
+        const dflash_adapt_stats st = dflash_adapt_get_stats(adapt_.get());
+        py::dict d;
+        d["steps_by_verified"] = steps_by_verified(st, n_max_);
+        d["n_probes"] = st.n_probes;
+        return d;
+    }
+
+private:
+    int n_max_;
+    std::unique_ptr<dflash_costs, decltype(&dflash_costs_free)> costs_{nullptr, dflash_costs_free};
+    std::unique_ptr<dflash_adapt, decltype(&dflash_adapt_free)> adapt_{nullptr, dflash_adapt_free};
+};
+
 class Engine {
 public:
     Engine(Model & target, Draft * draft, int cross_ctx, bool full_attention) : target_(target), draft_(draft) {
@@ -287,8 +355,8 @@ public:
         free_native();
     }
 
-    py::tuple generate(const std::vector<llama_token> & prompt, int max_tokens, int n_max, const dflash_sampling & sampling,
-                       std::optional<py::function> on_commit) {
+    py::tuple generate(const std::vector<llama_token> & prompt, int max_tokens, int n_max, bool adaptive,
+                       const dflash_sampling & sampling, std::optional<py::function> on_commit) {
         target_.check_tokens(prompt);
         if (max_tokens < 0) {
             throw py::value_error("max_tokens must be >= 0, got " + std::to_string(max_tokens));
@@ -310,8 +378,8 @@ public:
         CommitCallback callback{on_commit ? *on_commit : py::function(), nullptr};
         dflash_engine_set_commit_callback(engine_, on_commit ? &CommitCallback::call : nullptr, &callback);
         const int n = target_.exclusive([&] {
-            return dflash_engine_generate(engine_, prompt.data(), (int) prompt.size(), max_tokens, n_max, &sampling,
-                                          out.data(), &stats, step_lengths.data(), &logprobs);
+            return dflash_engine_generate(engine_, prompt.data(), (int) prompt.size(), max_tokens, n_max, adaptive,
+                                          &sampling, out.data(), &stats, step_lengths.data(), &logprobs);
         });
         dflash_engine_set_commit_callback(engine_, nullptr, nullptr);
         if (callback.error) {
@@ -332,6 +400,8 @@ public:
         st["t_verify_ms"] = stats.t_verify_ms;
         step_lengths.resize(stats.n_steps);
         st["step_lengths"] = step_lengths;
+        st["steps_by_verified"] = steps_by_verified(stats.block, n_max);
+        st["n_probes"] = stats.block.n_probes;
         static const char * const end_reasons[] = {"length", "eog", "context", "caller"};
         st["end_reason"] = end_reasons[stats.end_reason];
         py::list per_token;  // (logprob, [(token, logprob), ...]) for each returned token
@@ -491,12 +561,21 @@ void bind_dflash(py::module_ & m) {
         .def("set_state", &CrossContext::set_state, py::arg("state"))
         .def("n_rows", &CrossContext::n_rows)
         .def("step", &CrossContext::step, py::arg("first_token"), py::arg("start"));
+    py::class_<BlockController>(m, "BlockController")
+        .def(py::init<int, const std::vector<double> &, double, bool>(), py::arg("n_max"), py::arg("pass_ms"),
+             py::arg("draft_ms"), py::arg("adaptive") = true)
+        .def("plan", &BlockController::plan, py::arg("n_limit"))
+        .def("proposed", &BlockController::proposed, py::arg("tokens"))
+        .def("committed", &BlockController::committed, py::arg("n_verified"), py::arg("tokens"))
+        .def("reset", &BlockController::reset)
+        .def("acceptance", &BlockController::acceptance)
+        .def("stats", &BlockController::stats);
     py::class_<Engine>(m, "Engine")
         .def(py::init<Model &, Draft *, int, bool>(), py::arg("target"), py::arg("draft"), py::arg("cross_ctx"),
              py::arg("full_attention") = false, py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
         .def("close", &Engine::close)
         .def("generate", [](Engine & engine, const std::vector<llama_token> & prompt, int max_tokens, int n_max,
-                            float temperature, uint32_t seed, int top_k, float top_p, float min_p, float repeat_penalty,
+                            bool adaptive, float temperature, uint32_t seed, int top_k, float top_p, float min_p, float repeat_penalty,
                             int repeat_last_n, int logprobs, std::optional<py::function> on_commit) {
                  dflash_sampling sampling = dflash_sampling_default();
                  sampling.temperature = temperature;
@@ -507,8 +586,9 @@ void bind_dflash(py::module_ & m) {
                  sampling.repeat_penalty = repeat_penalty;
                  sampling.repeat_last_n = repeat_last_n;
                  sampling.n_probs = logprobs;
-                 return engine.generate(prompt, max_tokens, n_max, sampling, on_commit);
-             }, py::arg("prompt"), py::arg("max_tokens"), py::arg("n_max"), py::arg("temperature") = 0.0f,
+                 return engine.generate(prompt, max_tokens, n_max, adaptive, sampling, on_commit);
+             }, py::arg("prompt"), py::arg("max_tokens"), py::arg("n_max"), py::arg("adaptive") = true,
+             py::arg("temperature") = 0.0f,
              py::arg("seed") = 0, py::arg("top_k") = 0, py::arg("top_p") = 1.0f, py::arg("min_p") = 0.0f,
              py::arg("repeat_penalty") = 1.0f, py::arg("repeat_last_n") = 64, py::arg("logprobs") = 0,
              py::arg("on_commit") = py::none());

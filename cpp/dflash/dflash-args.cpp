@@ -32,6 +32,13 @@ long parse_int(const std::string & key, const std::string & value, long min) {
     return v;
 }
 
+bool parse_flag(const std::string & key, const std::string & value) {
+    if (value != "0" && value != "1") {
+        fail("--spec-type dflash: %s must be 0 or 1, got '%s'", key.c_str(), value.c_str());
+    }
+    return value == "1";
+}
+
 }  // namespace
 
 int dflash_parse_spec_options(const char * text, dflash_spec_options * options) {
@@ -64,12 +71,14 @@ int dflash_parse_spec_options(const char * text, dflash_spec_options * options) 
             } else if (key == "cross_ctx" || key == "dflash_cross_ctx") {
                 options->cross_ctx = (int32_t) parse_int(key, value, 1);
             } else if (key == "full_attention") {
-                options->full_attention = parse_int(key, value, 0) != 0;
+                options->full_attention = parse_flag(key, value);
             } else if (key == "log_drafts") {
-                options->log_drafts = parse_int(key, value, 0) != 0;
+                options->log_drafts = parse_flag(key, value);
+            } else if (key == "adaptive") {
+                options->adaptive = parse_flag(key, value);
             } else {
                 fail("--spec-type dflash: unknown key '%s' (known: n_max, n_min, p_min, cross_ctx, "
-                     "dflash_cross_ctx, full_attention, log_drafts, min_accept)", key.c_str());
+                     "dflash_cross_ctx, full_attention, log_drafts, min_accept, adaptive)", key.c_str());
             }
         }
         return 0;

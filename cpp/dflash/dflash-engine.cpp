@@ -232,174 +232,283 @@ struct dflash_engine {
         seq->commit(*capture, idx.data(), count, pos0);
     }
 
-    int generate(const llama_token * prompt, int n_prompt, int max_tokens, int n_max, const dflash_sampling & sampling,
-                 llama_token * out, dflash_stats & st, int32_t * step_lengths, dflash_logprobs * logprobs) {
-        const int n_ctx = (int) llama_n_ctx(ctx);
-        const int n_vocab = llama_n_vocab(model);
-        if (n_prompt < 1) {
-            fail("the prompt is empty");
-        }
-        if (n_prompt >= n_ctx) {
-            fail("the prompt has %d tokens but the context holds %d", n_prompt, n_ctx);
-        }
-        if (n_max < 0) {
-            fail("n_max must be >= 0, got %d", n_max);
-        }
-        if (n_max > 0 && draft == nullptr) {
-            fail("n_max %d needs a draft model", n_max);
-        }
-        if (draft != nullptr && dflash_draft_block_size(draft) > (int) llama_n_batch(ctx)) {
-            fail("the target's n_batch %d is smaller than the draft's block", (int) llama_n_batch(ctx));
-        }
-        st = {};
-        dflash_impl::sampler smp(sampling, n_vocab);
-        // the tokens before the position being sampled (the repetition penalty looks back over them)
-        std::vector<llama_token> history(prompt, prompt + n_prompt);
-        const bool want_logprobs = logprobs != nullptr && sampling.n_probs > 0;
-        // sample row `row` of the last pass; its log-probabilities go to `info` when asked for
-        auto pick = [&](int row, dflash_impl::sampler::token_logprobs & info) {
-            const float * logits = llama_get_logits_ith(ctx, row);
-            const llama_token token = smp.sample(logits, history);
-            if (want_logprobs) {
-                info = smp.logprobs(logits, token);
-            }
-            return token;
-        };
-        // out[i] gets its log-probabilities from info
-        auto emit = [&](llama_token token, const dflash_impl::sampler::token_logprobs & info, int i) {
-            out[i] = token;
-            if (want_logprobs) {
-                logprobs->token[i] = info.logprob;
-                for (size_t k = 0; k < info.top.size(); ++k) {
-                    logprobs->top_ids[(size_t) i * sampling.n_probs + k] = info.top[k].first;
-                    logprobs->top[(size_t) i * sampling.n_probs + k] = info.top[k].second;
-                }
-            }
-        };
-        llama_kv_cache_clear(ctx);
-        if (seq != nullptr) {
-            dflash_seq_reset(seq.get());
-        }
+    // The block-length controller's pass costs, timed on this context at the first adaptive
+    // generation (a plain or fixed one never pays for it), then followed by every step.
+    std::unique_ptr<dflash_costs, decltype(&dflash_costs_free)> costs{nullptr, dflash_costs_free};
+    std::unique_ptr<dflash_adapt, decltype(&dflash_adapt_free)> adapt{nullptr, dflash_adapt_free};
+    int adapt_n_max = -1;
+    bool adapt_fixed = false;
 
-        // prompt, a batch at a time: every row's features go to the draft (which keeps what its
-        // layers can still see), so a long prompt never holds all its features at once
-        double t0 = now_ms();
-        const int n_batch = (int) llama_n_batch(ctx);
-        for (int i = 0; i < n_prompt; i += n_batch) {
-            const int m = std::min(n_batch, n_prompt - i);
-            decode(prompt + i, m, i, false, true);
-            commit_features(m, i);
+    // The controller for a generation of n_max drafts a step: fixed, or adaptive on the costs.
+    dflash_adapt * controller(int n_max, bool adaptive) {
+        if (adaptive && costs == nullptr) {
+            costs.reset(dflash_costs_init(dflash_draft_block_size(draft)));
+            if (costs == nullptr || dflash_costs_calibrate(costs.get(), ctx) != 0) {
+                costs.reset();
+                fail("timing the target's passes failed: %s", dflash_last_error());
+            }
         }
-        dflash_impl::sampler::token_logprobs t_info;  // t's, until t is returned
-        llama_token t = pick(-1, t_info);
-        st.n_prompt = n_prompt;
-        st.t_prompt_ms = now_ms() - t0;
-
-        int n_out = 0;
-        int n_reported = 0;
-        // the tokens committed since the last report go to the callback; false: stop
-        auto report = [&]() {
-            const bool go_on = on_commit == nullptr || n_out == n_reported ||
-                               on_commit(out + n_reported, n_out - n_reported, on_commit_data);
-            n_reported = n_out;
-            return go_on;
-        };
-        int s = n_prompt;  // position of t
-        const int block = draft ? dflash_draft_block_size(draft) : 1;
-        std::vector<llama_token> proposal(std::max(1, block - 1));
-        std::vector<llama_token> verify;
-        std::vector<dflash_impl::sampler::token_logprobs> row_info(block);  // of each verification row's sample
-        st.end_reason = DFLASH_END_LENGTH;
-        while (true) {
-            if (max_tokens <= n_out) {
-                break;
-            }
-            if (llama_token_is_eog(model, t)) {
-                st.end_reason = DFLASH_END_EOG;
-                break;
-            }
-            emit(t, t_info, n_out++);
-            history.push_back(t);
-            if (!report()) {
-                st.end_reason = DFLASH_END_CALLER;
-                break;
-            }
-            if (s >= n_ctx - 1 && n_out < max_tokens) {
-                st.end_reason = DFLASH_END_CONTEXT;  // t is the last token that fits
-                break;
-            }
-            if (n_out == max_tokens) {
-                break;  // the last one asked for
-            }
-            // draft n tokens after t, bounded by the block, the context, and the budget, leaving
-            // room for the target's own token so that every step's tokens are all returned
-            const int n = std::min({n_max, block - 1, max_tokens - n_out - 1, n_ctx - 2 - s});
-            t0 = now_ms();
-            if (n > 0 && dflash_seq_draft(seq.get(), t, s, n, proposal.data()) != 0) {
+        if (adapt == nullptr || adapt_n_max != n_max || adapt_fixed != !adaptive) {
+            adapt.reset(dflash_adapt_init(adaptive ? costs.get() : nullptr, n_max));
+            if (adapt == nullptr) {
                 fail("%s", dflash_last_error());
             }
-            st.t_draft_ms += now_ms() - t0;
-
-            // verify [t, d_1..d_n] at s..s+n in one target pass
-            t0 = now_ms();
-            verify.assign(1, t);
-            verify.insert(verify.end(), proposal.begin(), proposal.begin() + std::max(0, n));
-            if (hybrid && n > 0) {
-                seq->save_state();
-            }
-            decode(verify.data(), n + 1, s, true, true);
-            int acc = 0;
-            llama_token next = pick(0, row_info[0]);
-            while (acc < n && next == verify[acc + 1]) {
-                history.push_back(next);  // the next row's sample comes after it
-                ++acc;
-                next = pick(acc, row_info[acc]);
-            }
-            // keep positions s..s+acc; the rest of the pass is undone
-            commit_features(acc + 1, s);
-            if (acc < n) {
-                llama_kv_cache_seq_rm(ctx, 0, s + acc + 1, -1);
-                if (hybrid) {
-                    // the recurrent state has run past the rejected rows: restore and replay
-                    seq->restore_state();
-                    llama_kv_cache_seq_rm(ctx, 0, s, -1);
-                    decode(verify.data(), acc + 1, s, false, false);
-                }
-            }
-            st.t_verify_ms += now_ms() - t0;
-            if (step_lengths != nullptr) {
-                step_lengths[st.n_steps] = acc + 1;
-            }
-            st.n_steps += 1;
-            st.n_drafted += n;
-            st.n_accepted += acc;
-
-            bool stop = false;
-            for (int j = 1; j <= acc && !stop; ++j) {
-                if (llama_token_is_eog(model, verify[j])) {
-                    stop = true;
-                } else {
-                    emit(verify[j], row_info[j - 1], n_out++);
-                }
-            }
-            if (stop) {
-                st.end_reason = DFLASH_END_EOG;
-                break;
-            }
-            s += acc + 1;
-            t = next;
-            t_info = std::move(row_info[acc]);
+            adapt_n_max = n_max;
+            adapt_fixed = !adaptive;
         }
-        if (st.end_reason != DFLASH_END_CALLER) {
-            report();  // what the last step committed before it ended the generation
-        }
-        st.n_generated = n_out;
-        return n_out;
+        dflash_adapt_reset(adapt.get());
+        return adapt.get();
     }
+
+    struct generation;
+
+    int generate(const llama_token * prompt, int n_prompt, int max_tokens, int n_max, bool adaptive,
+                 const dflash_sampling & sampling, llama_token * out, dflash_stats & st, int32_t * step_lengths,
+                 dflash_logprobs * logprobs);
 
     dflash_commit_callback on_commit = nullptr;
     void * on_commit_data = nullptr;
 };
+
+// One call of dflash_engine_generate, as the steps of the algorithm: prefill the prompt, then
+// per step emit the current token t, plan the step, draft, verify, and emit what was accepted.
+struct dflash_engine::generation {
+    dflash_engine & e;
+    const int n_ctx, max_tokens;
+    dflash_impl::sampler smp;
+    const bool want_logprobs;
+    llama_token * out;
+    dflash_stats & st;
+    int32_t * step_lengths;
+    dflash_logprobs * logprobs;
+    const int n_probs;
+    dflash_adapt * adapt = nullptr;   // null without a draft
+    std::vector<llama_token> history; // tokens before the position being sampled (the penalty's window)
+    int n_out = 0, n_reported = 0;
+    int s = 0;                        // position of t
+    llama_token t = 0;                // the target's next token, not yet returned
+    dflash_impl::sampler::token_logprobs t_info;
+    std::vector<llama_token> proposal, verify;
+    std::vector<dflash_impl::sampler::token_logprobs> row_info;  // of each verification row's sample
+
+    using row_logprobs = dflash_impl::sampler::token_logprobs;
+
+    generation(dflash_engine & e, int max_tokens, const dflash_sampling & sampling, llama_token * out,
+               dflash_stats & st, int32_t * step_lengths, dflash_logprobs * logprobs)
+        : e(e), n_ctx((int) llama_n_ctx(e.ctx)), max_tokens(max_tokens), smp(sampling, llama_n_vocab(e.model)),
+          want_logprobs(logprobs != nullptr && sampling.n_probs > 0), out(out), st(st), step_lengths(step_lengths),
+          logprobs(logprobs), n_probs(sampling.n_probs) {}
+
+    // Sample row `row` of the last pass; its log-probabilities go to `info` when asked for.
+    llama_token pick(int row, row_logprobs & info) {
+        const float * logits = llama_get_logits_ith(e.ctx, row);
+        const llama_token token = smp.sample(logits, history);
+        if (want_logprobs) {
+            info = smp.logprobs(logits, token);
+        }
+        return token;
+    }
+
+    // Return token as out[n_out], with its log-probabilities.
+    void emit(llama_token token, const row_logprobs & info) {
+        out[n_out] = token;
+        if (want_logprobs) {
+            logprobs->token[n_out] = info.logprob;
+            for (size_t k = 0; k < info.top.size(); ++k) {
+                logprobs->top_ids[(size_t) n_out * n_probs + k] = info.top[k].first;
+                logprobs->top[(size_t) n_out * n_probs + k] = info.top[k].second;
+            }
+        }
+        ++n_out;
+    }
+
+    // The tokens returned since the last report go to the callback; false: stop.
+    bool report() {
+        const bool go_on = e.on_commit == nullptr || n_out == n_reported ||
+                           e.on_commit(out + n_reported, n_out - n_reported, e.on_commit_data);
+        n_reported = n_out;
+        return go_on;
+    }
+
+    // The prompt, a batch at a time: every row's features go to the draft (which keeps what its
+    // layers can still see), so a long prompt never holds all its features at once. Samples t.
+    void prefill(const llama_token * prompt, int n_prompt) {
+        const double t0 = now_ms();
+        history.assign(prompt, prompt + n_prompt);
+        llama_kv_cache_clear(e.ctx);
+        if (e.seq != nullptr) {
+            dflash_seq_reset(e.seq.get());
+        }
+        const int n_batch = (int) llama_n_batch(e.ctx);
+        for (int i = 0; i < n_prompt; i += n_batch) {
+            const int m = std::min(n_batch, n_prompt - i);
+            e.decode(prompt + i, m, i, false, true);
+            e.commit_features(m, i);
+        }
+        t = pick(-1, t_info);
+        s = n_prompt;
+        st.n_prompt = n_prompt;
+        st.t_prompt_ms = now_ms() - t0;
+    }
+
+    // Return t; false when the generation ends here (and why, in st.end_reason).
+    bool emit_current() {
+        if (max_tokens <= n_out) {
+            return false;
+        }
+        if (llama_token_is_eog(e.model, t)) {
+            st.end_reason = DFLASH_END_EOG;
+            return false;
+        }
+        emit(t, t_info);
+        history.push_back(t);
+        if (!report()) {
+            st.end_reason = DFLASH_END_CALLER;
+            return false;
+        }
+        if (s >= n_ctx - 1 && n_out < max_tokens) {
+            st.end_reason = DFLASH_END_CONTEXT;  // t is the last token that fits
+            return false;
+        }
+        return n_out < max_tokens;  // false after the last one asked for
+    }
+
+    // The most drafts this step may verify: bounded by n_max, the block, the context, and the
+    // budget, leaving room for the target's own token so that every step's tokens are all returned.
+    int draft_limit(int n_max) const {
+        const int block = e.draft ? dflash_draft_block_size(e.draft) : 1;
+        return std::max(0, std::min({n_max, block - 1, max_tokens - n_out - 1, n_ctx - 2 - s}));
+    }
+
+    // The draft's n tokens after t (the controller compares them with what the target commits).
+    void propose(int n) {
+        proposal.resize(n);
+        if (n == 0) {
+            return;
+        }
+        const double t0 = now_ms();
+        if (dflash_seq_draft(e.seq.get(), t, s, n, proposal.data()) != 0) {
+            fail("%s", dflash_last_error());
+        }
+        const double ms = now_ms() - t0;
+        st.t_draft_ms += ms;
+        dflash_adapt_proposed(adapt, proposal.data(), n);
+        if (e.costs) {
+            dflash_costs_observe_draft(e.costs.get(), ms);
+        }
+    }
+
+    // Verify [t, d_1..d_n] at s..s+n in one target pass; keep positions s..s+acc and undo the rest.
+    // Returns acc; the target's own token after them is the new t.
+    int verify_drafts(int n) {
+        const double t0 = now_ms();
+        verify.assign(1, t);
+        verify.insert(verify.end(), proposal.begin(), proposal.begin() + n);
+        if (e.hybrid && n > 0) {
+            e.seq->save_state();
+        }
+        e.decode(verify.data(), n + 1, s, true, true);
+        row_info.resize(n + 1);
+        int acc = 0;
+        llama_token next = pick(0, row_info[0]);
+        while (acc < n && next == verify[acc + 1]) {
+            history.push_back(next);  // the next row's sample comes after it
+            ++acc;
+            next = pick(acc, row_info[acc]);
+        }
+        e.commit_features(acc + 1, s);
+        if (acc < n) {
+            llama_kv_cache_seq_rm(e.ctx, 0, s + acc + 1, -1);
+            if (e.hybrid) {
+                // the recurrent state has run past the rejected rows: restore and replay
+                e.seq->restore_state();
+                llama_kv_cache_seq_rm(e.ctx, 0, s, -1);
+                e.decode(verify.data(), acc + 1, s, false, false);
+            }
+        }
+        const double ms = now_ms() - t0;
+        st.t_verify_ms += ms;
+        if (e.costs) {
+            dflash_costs_observe_pass(e.costs.get(), n + 1, ms);
+        }
+        // what the step committed after t: the accepted drafts and the target's own token
+        verify.resize(acc + 1);
+        verify.push_back(next);
+        if (adapt != nullptr) {
+            dflash_adapt_committed(adapt, n, verify.data() + 1, acc + 1);
+        }
+        if (step_lengths != nullptr) {
+            step_lengths[st.n_steps] = acc + 1;
+        }
+        st.n_steps += 1;
+        st.n_drafted += n;
+        st.n_accepted += acc;
+        return acc;
+    }
+
+    // Return the accepted drafts; false when one ends the generation.
+    bool emit_accepted(int acc) {
+        for (int j = 1; j <= acc; ++j) {
+            if (llama_token_is_eog(e.model, verify[j])) {
+                st.end_reason = DFLASH_END_EOG;
+                return false;
+            }
+            emit(verify[j], row_info[j - 1]);
+        }
+        s += acc + 1;
+        t = verify[acc + 1];
+        t_info = std::move(row_info[acc]);
+        return true;
+    }
+
+    int run(const llama_token * prompt, int n_prompt, int n_max) {
+        st = {};
+        st.end_reason = DFLASH_END_LENGTH;
+        prefill(prompt, n_prompt);
+        while (emit_current()) {
+            const dflash_adapt_plan plan = adapt ? dflash_adapt_plan_step(adapt, draft_limit(n_max))
+                                                 : dflash_adapt_plan{0, 0};
+            propose(plan.n_draft);
+            if (!emit_accepted(verify_drafts(plan.n_verify))) {
+                break;
+            }
+        }
+        if (st.end_reason != DFLASH_END_CALLER) {
+            report();  // what the last step committed before it ended the generation
+        }
+        if (adapt != nullptr) {
+            st.block = dflash_adapt_get_stats(adapt);
+        }
+        st.n_generated = n_out;
+        return n_out;
+    }
+};
+
+int dflash_engine::generate(const llama_token * prompt, int n_prompt, int max_tokens, int n_max, bool adaptive,
+                            const dflash_sampling & sampling, llama_token * out, dflash_stats & st,
+                            int32_t * step_lengths, dflash_logprobs * logprobs) {
+    const int n_ctx = (int) llama_n_ctx(ctx);
+    if (n_prompt < 1) {
+        fail("the prompt is empty");
+    }
+    if (n_prompt >= n_ctx) {
+        fail("the prompt has %d tokens but the context holds %d", n_prompt, n_ctx);
+    }
+    if (n_max < 0) {
+        fail("n_max must be >= 0, got %d", n_max);
+    }
+    if (n_max > 0 && draft == nullptr) {
+        fail("n_max %d needs a draft model", n_max);
+    }
+    if (draft != nullptr && dflash_draft_block_size(draft) > (int) llama_n_batch(ctx)) {
+        fail("the target's n_batch %d is smaller than the draft's block", (int) llama_n_batch(ctx));
+    }
+    generation g(*this, max_tokens, sampling, out, st, step_lengths, logprobs);
+    if (draft != nullptr) {
+        g.adapt = controller(std::min(n_max, dflash_draft_block_size(draft) - 1), adaptive && n_max > 0);
+    }
+    return g.run(prompt, n_prompt, n_max);
+}
 
 dflash_engine * dflash_engine_init(llama_context * target, dflash_draft * draft, dflash_engine_params params) {
     return guarded([&]() -> dflash_engine * {
@@ -446,13 +555,13 @@ dflash_sampling dflash_sampling_default(void) {
 }
 
 int dflash_engine_generate(dflash_engine * engine, const llama_token * prompt, int n_prompt, int max_tokens, int n_max,
-                           const dflash_sampling * sampling, llama_token * out, dflash_stats * stats,
+                           bool adaptive, const dflash_sampling * sampling, llama_token * out, dflash_stats * stats,
                            int32_t * step_lengths, dflash_logprobs * logprobs) {
     dflash_stats local{};
     dflash_stats & st = stats ? *stats : local;
     const dflash_sampling params = sampling ? *sampling : dflash_sampling_default();
     return guarded([&]() -> int {
-        return engine->generate(prompt, n_prompt, max_tokens, n_max, params, out, st, step_lengths, logprobs);
+        return engine->generate(prompt, n_prompt, max_tokens, n_max, adaptive, params, out, st, step_lengths, logprobs);
     }, -1);
 }
 

@@ -148,6 +148,73 @@ LLAMA_API int  dflash_seq_draft(dflash_seq * seq, llama_token t, llama_pos pos, 
 LLAMA_API void dflash_seq_save_state(dflash_seq * seq);
 LLAMA_API void dflash_seq_restore_state(const dflash_seq * seq);
 
+// --- adaptive block length ---------------------------------------------------------------------
+// How many draft tokens a step verifies. A step that verifies k drafts costs t_draft + t_pass(k+1)
+// and commits, in expectation, E(k) = 1 + sum over i <= k of prod over j <= i of p_j tokens, where
+// p_j is the chance that the draft's j-th token is kept given that the ones before it were. k = 0
+// is a plain one-token decode with no draft step. Before each step the controller picks the k
+// with the most expected tokens per millisecond, from running estimates of p_j and of the costs.
+//
+// The draft proposes every token the step may verify (n_limit), and each proposed token is
+// compared with the token the target commits at its position, in that step or a later one: a
+// step verifying k < n_limit still measures the positions after k. At k = 0 an occasional probe
+// (a draft step whose tokens are compared, not verified; its interval doubles while the draft's
+// first token keeps missing, up to 32 steps) notices when the draft becomes right again.
+//
+// Usage, per step of a sequence (the draft's cross-context is fed by every target pass anyway):
+//   plan = dflash_adapt_plan_step(adapt, n_limit);      // n_limit: what block, budget, context allow
+//   if (plan.n_draft > 0) { draft plan.n_draft tokens; dflash_adapt_proposed(adapt, tokens, plan.n_draft); }
+//   verify the first plan.n_verify of them (0: a one-token decode);
+//   dflash_adapt_committed(adapt, plan.n_verify, committed_tokens, n_committed);
+
+#define DFLASH_MAX_VERIFY 63  // the most drafts a step can verify (a block of 64)
+
+struct dflash_costs;  // measured costs of a target context's passes by row count, and of a draft step
+struct dflash_adapt;  // one sequence's controller
+
+// Costs of passes of 1..max_rows rows, unknown until set, calibrated or observed.
+LLAMA_API dflash_costs * dflash_costs_init(int max_rows);
+LLAMA_API void   dflash_costs_free(dflash_costs * costs);
+// Time passes of 1..max_rows rows on ctx (sequence 0, a few rounds; the fastest of each counts).
+// The context's cache is cleared before and after: call it before the context serves sequences.
+// Tests: IKDFLASH_COSTS="draft_ms:pass_ms_1,pass_ms_2,..." sets fixed costs instead (no timing,
+// observations ignored), so the controller's choices are the same on any machine.
+LLAMA_API int    dflash_costs_calibrate(dflash_costs * costs, llama_context * ctx);
+// pass_ms: max_rows times, for 1..max_rows rows (a known machine; tests). Returns 0 on success.
+LLAMA_API int    dflash_costs_set_passes(dflash_costs * costs, const double * pass_ms);
+// Observed times (a pass over n_rows rows of any sequences; a draft step), folded into the estimates.
+LLAMA_API void   dflash_costs_observe_pass(dflash_costs * costs, int n_rows, double ms);
+LLAMA_API void   dflash_costs_observe_draft(dflash_costs * costs, double ms);
+LLAMA_API double dflash_costs_pass_ms(const dflash_costs * costs, int n_rows);  // 0 while unknown
+LLAMA_API double dflash_costs_draft_ms(const dflash_costs * costs);            // 0 while unknown
+LLAMA_API int    dflash_costs_max_rows(const dflash_costs * costs);
+
+struct dflash_adapt_plan {
+    int32_t n_draft;   // tokens the draft proposes this step (0: no draft step)
+    int32_t n_verify;  // of which the first n_verify are verified (0: a one-token decode)
+};
+
+struct dflash_adapt_stats {
+    int64_t n_steps_at[DFLASH_MAX_VERIFY + 1];  // steps by the drafts they verified; [0] one-token decodes
+    int64_t n_probes;                           // draft steps whose tokens were only compared
+};
+
+// costs NULL: a fixed block length (every step verifies n_limit drafts, as without a controller).
+// The controller reads costs (shared by the context's sequences) but never changes them.
+LLAMA_API dflash_adapt * dflash_adapt_init(const dflash_costs * costs, int n_max);
+LLAMA_API void dflash_adapt_free(dflash_adapt * adapt);
+// A new request on the sequence: pending proposals and statistics are dropped, the acceptance
+// estimates kept at half weight.
+LLAMA_API void dflash_adapt_reset(dflash_adapt * adapt);
+LLAMA_API struct dflash_adapt_plan dflash_adapt_plan_step(dflash_adapt * adapt, int n_limit);
+// The tokens the draft proposed for the positions after the current token.
+LLAMA_API void dflash_adapt_proposed(dflash_adapt * adapt, const llama_token * tokens, int n);
+// The tokens the step committed after the current token, in order, and how many drafts it verified.
+LLAMA_API void dflash_adapt_committed(dflash_adapt * adapt, int n_verified, const llama_token * tokens, int n);
+// The estimate of p_j, j = 1..n_max.
+LLAMA_API float dflash_adapt_acceptance(const dflash_adapt * adapt, int j);
+LLAMA_API struct dflash_adapt_stats dflash_adapt_get_stats(const dflash_adapt * adapt);
+
 // --- the speculative engine ---------------------------------------------------------------------
 // One sequence (seq 0) of a target context, drafted by a DFlash draft: draft a block, verify it in
 // one target batch, keep the longest matching prefix plus the target's own next token, roll the
@@ -173,6 +240,7 @@ struct dflash_stats {
     double  t_draft_ms;
     double  t_verify_ms;     // target passes, sampling and rollback
     int32_t end_reason;      // enum dflash_end_reason
+    struct dflash_adapt_stats block;  // steps by the drafts they verified, probes
 };
 
 // Why a generation ended.
@@ -224,9 +292,11 @@ struct dflash_logprobs {
 // returned) or when the context is full. Returns the number of tokens written, or -1 (see
 // dflash_last_error()). step_lengths (may be NULL, room for max_tokens) receives the tokens each
 // verification pass returned (accepted drafts + 1); logprobs (may be NULL; used when
-// sampling->n_probs > 0) what dflash_logprobs says.
+// sampling->n_probs > 0) what dflash_logprobs says. adaptive: each step verifies as many of up
+// to n_max drafts as pay (the adaptive block length above; the target's passes are timed at the
+// first adaptive call); false: every step verifies n_max (fewer near the end or the context's).
 LLAMA_API int dflash_engine_generate(dflash_engine * engine, const llama_token * prompt, int n_prompt, int max_tokens,
-                                     int n_max, const struct dflash_sampling * sampling, llama_token * out,
+                                     int n_max, bool adaptive, const struct dflash_sampling * sampling, llama_token * out,
                                      dflash_stats * stats, int32_t * step_lengths, struct dflash_logprobs * logprobs);
 
 // The callback the engine's next generations report their tokens to (NULL: none).
@@ -236,8 +306,8 @@ LLAMA_API void dflash_engine_set_commit_callback(dflash_engine * engine, dflash_
 // --- command line --------------------------------------------------------------------------------
 
 // What `--spec-type dflash:k=v,...` sets. Keys, as ik_llama.cpp spells them: n_max, n_min,
-// p_min, cross_ctx (alias dflash_cross_ctx); ours: full_attention, log_drafts (0/1). cross_ctx 0 means
-// "follow the context size".
+// p_min, cross_ctx (alias dflash_cross_ctx); ours: full_attention, log_drafts, adaptive (0/1),
+// min_accept. cross_ctx 0 means "follow the context size".
 struct dflash_spec_options {
     int32_t n_max;
     int32_t n_min;
@@ -246,6 +316,7 @@ struct dflash_spec_options {
     bool    full_attention;
     bool    log_drafts;      // ours: log every proposal (tests compare them across server paths)
     float   min_accept;      // ours: stop drafting for a request whose recent acceptance is below this (0: never)
+    bool    adaptive;        // ours: each step verifies as many of up to n_max drafts as pay (default on)
 };
 
 // Parse the part after "dflash:" into options (fields not named keep their values). Returns 0,

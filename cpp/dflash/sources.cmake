@@ -2,6 +2,7 @@
 # this file when IKDFLASH_SOURCE_DIR names an ikdflash checkout (patch "build: hook ikdflash's
 # runtime into libllama"); the package build sets it, C++ developers pass it to CMake.
 target_sources(llama PRIVATE
+    ${CMAKE_CURRENT_LIST_DIR}/dflash-adapt.cpp
     ${CMAKE_CURRENT_LIST_DIR}/dflash-args.cpp
     ${CMAKE_CURRENT_LIST_DIR}/dflash-draft.cpp
     ${CMAKE_CURRENT_LIST_DIR}/dflash-engine.cpp

@@ -80,11 +80,27 @@ class CrossContext:
     def step(self, first_token: int, start: int) -> tuple[npt.NDArray[np.float32], list[int]]:
         """One draft step: (logits [block, vocab], argmax of rows 1..)."""
 
+class BlockController:
+    """The adaptive block length's controller (dflash_adapt) on pass costs given, with no model:
+    pass_ms[r - 1] is a target pass over r rows (r = 1..n_max + 1), draft_ms a draft step."""
+
+    def __init__(self, n_max: int, pass_ms: list[float], draft_ms: float, adaptive: bool = True) -> None: ...
+    def plan(self, n_limit: int) -> tuple[int, int]:
+        """(tokens the draft proposes, of which verified) for the next step."""
+    def proposed(self, tokens: list[int]) -> None: ...
+    def committed(self, n_verified: int, tokens: list[int]) -> None: ...
+    def reset(self) -> None: ...
+    def acceptance(self) -> list[float]:
+        """The estimate of p_j (draft token j kept, given the ones before it were), j = 1..n_max."""
+    def stats(self) -> dict[str, Any]:
+        """steps_by_verified (0..n_max) and n_probes since the last reset."""
+
 class Engine:
     """The speculative loop on a target Model (draft None: the target alone)."""
 
     def __init__(self, target: Model, draft: Draft | None, cross_ctx: int, full_attention: bool = False) -> None: ...
-    def generate(self, prompt: list[int], max_tokens: int, n_max: int, temperature: float = 0.0, seed: int = 0,
+    def generate(self, prompt: list[int], max_tokens: int, n_max: int, adaptive: bool = True,
+                 temperature: float = 0.0, seed: int = 0,
                  top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0,
                  repeat_last_n: int = 64, logprobs: int = 0,
                  on_commit: Callable[[list[int]], bool | None] | None = None,

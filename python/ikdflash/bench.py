@@ -20,7 +20,11 @@ target alone's, token for token: the bench fails (exit 1) and says where when on
 --server URL measures a llama-server that is already running (its draft, slots and flags as they
 are): acceptance from each response's timings, speed as the server reports it.
 Columns: clip = share of the prompt outside the window, (length - W) / length; acceptance =
-accepted / drafted; tau = tokens per verification pass; tok/s = generation speed.
+accepted / drafted; tau = tokens per verification pass; tok/s = generation speed. The acceptance
+columns verify --n-max drafts every step (the fixed block length: the draft's own acceptance);
+"adaptive" is the default mode (the window honoured, each step verifying as many drafts as pay on
+this machine), with the share of tokens it decoded one at a time (k=0); the two speed-ups are the
+fixed and the adaptive window-honoured speeds over the target alone's.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from ikdflash.server import ServerError
 
 FILLER = ("The history of the river town is the history of its bridges. Each generation built one, "
           "argued about it, and then watched the water take it away in a spring flood. ")
-MODES = ("sliding", "full_attention", "no_draft")
+MODES = ("sliding", "full_attention", "adaptive", "no_draft")
 
 
 @dataclass
@@ -61,6 +65,9 @@ class Row:
     full_tau: float
     full_tps: float
     full_spread: float
+    adaptive_tps: float        # the window honoured, the adaptive block length on
+    adaptive_spread: float
+    adaptive_plain_share: float  # of its tokens, those decoded one at a time (steps verifying no drafts)
     no_draft_tps: float
     no_draft_spread: float
     draft_ms: float            # per verification step, sliding column
@@ -73,7 +80,12 @@ class Row:
 
     @property
     def speedup(self) -> float:
+        """Fixed (sliding column) speed over the target alone's."""
         return self.sliding_tps / self.no_draft_tps if self.no_draft_tps else 0.0
+
+    @property
+    def adaptive_speedup(self) -> float:
+        return self.adaptive_tps / self.no_draft_tps if self.no_draft_tps else 0.0
 
 
 @dataclass
@@ -218,6 +230,11 @@ class Cell:
         """Half the range of the rounds' speeds (0 with one round)."""
         return median_and_spread(self.round_speeds())[1]
 
+    @property
+    def plain_share(self) -> float:
+        generated = self.total("generated")
+        return sum(s.steps_by_verified[0] for s in self.stats if s.steps_by_verified) / generated if generated else 0.0
+
     def ms_per_step(self, name: str) -> float:
         steps = self.total("steps")
         return 1e3 * self.total(name) / steps if steps else 0.0
@@ -262,7 +279,7 @@ def measure(args: argparse.Namespace, window: int) -> tuple[list[Row], Check]:
     which cost every mode alike)."""
     n_ctx = max(args.lengths) + args.max_tokens + 16
     text = prompt_text(args, chat_template(args.target))
-    modes = MODES[:2] if args.no_baseline else MODES
+    modes = MODES[:3] if args.no_baseline else MODES
     results: dict[str, dict[int, Cell]] = {m: {n: Cell() for n in args.lengths} for m in MODES}
     outputs: dict[tuple[str, int, int], SpeculationResult] = {}
     check = Check()
@@ -282,7 +299,7 @@ def measure(args: argparse.Namespace, window: int) -> tuple[list[Row], Check]:
                         if mode == "no_draft":
                             out = engine.generate(prompt, **options)
                         else:
-                            out = engine.speculate(prompt, n_max=args.n_max, **options)
+                            out = engine.speculate(prompt, n_max=args.n_max, adaptive=(mode == "adaptive"), **options)
                         assert out.stats is not None
                         round_.append(out.stats)
                         outputs[(mode, length, i)] = out
@@ -294,11 +311,12 @@ def measure(args: argparse.Namespace, window: int) -> tuple[list[Row], Check]:
     print(file=sys.stderr)
     rows = []
     for n in args.lengths:
-        s, f, b = results["sliding"][n], results["full_attention"][n], results["no_draft"][n]
+        s, f, a, b = (results[m][n] for m in MODES)
         rows.append(Row(length=n, clip=max(0.0, (n - window) / n) if window else 0.0, steps=int(s.total("steps")),
                         sliding_acceptance=s.acceptance, sliding_se=s.standard_error, sliding_tau=s.tau,
                         sliding_tps=s.tokens_per_second, sliding_spread=s.spread, full_acceptance=f.acceptance,
                         full_se=f.standard_error, full_tau=f.tau, full_tps=f.tokens_per_second, full_spread=f.spread,
+                        adaptive_tps=a.tokens_per_second, adaptive_spread=a.spread, adaptive_plain_share=a.plain_share,
                         no_draft_tps=b.tokens_per_second, no_draft_spread=b.spread,
                         draft_ms=s.ms_per_step("draft_time"), verify_ms=s.ms_per_step("verify_time"),
                         no_draft_ms=b.ms_per_step("verify_time")))
@@ -351,15 +369,18 @@ def table(rows: list[Row], window: int, repeat: int = 1) -> str:
     w = 7 if repeat == 1 else 13
     head = (f"{'length':>7} {'clip':>6} {'steps':>6} | {'accept':>7} {'±se':>5} {'tau':>5} {'tok/s':>{w}} | "
             f"{'full: accept':>12} {'±se':>5} {'tau':>5} {'tok/s':>{w}} | {'Δaccept':>8} | "
-            f"{'no draft tok/s':>{w + 7}} {'speed-up':>8}")
+            f"{'adaptive tok/s':>{w + 7}} {'k=0':>5} | {'no draft tok/s':>{w + 7}} {'speed-up':>8} {'adaptive':>8}")
     lines = [f"window {window}" if window else "no sliding window", head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.length:>7} {r.clip:>6.1%} {r.steps:>6} | {r.sliding_acceptance:>7.1%} {r.sliding_se:>5.1%} "
                      f"{r.sliding_tau:>5.2f} {speed(r.sliding_tps, r.sliding_spread, repeat):>{w}} | "
                      f"{r.full_acceptance:>12.1%} {r.full_se:>5.1%} {r.full_tau:>5.2f} "
                      f"{speed(r.full_tps, r.full_spread, repeat):>{w}} | {r.acceptance_change:>+8.1%} | "
-                     f"{speed(r.no_draft_tps, r.no_draft_spread, repeat):>{w + 7}} {r.speedup:>7.2f}x")
-    lines.append("time per verification step (window honoured): "
+                     f"{speed(r.adaptive_tps, r.adaptive_spread, repeat):>{w + 7}} {r.adaptive_plain_share:>5.0%} | "
+                     f"{speed(r.no_draft_tps, r.no_draft_spread, repeat):>{w + 7}} {r.speedup:>7.2f}x "
+                     f"{r.adaptive_speedup:>7.2f}x")
+    lines.append("k=0: the adaptive column's tokens decoded one at a time; speed-up: fixed, adaptive")
+    lines.append("time per verification step (window honoured, fixed): "
                  + ", ".join(f"{r.length}: draft {r.draft_ms:.1f} ms + verify {r.verify_ms:.1f} ms" for r in rows)
                  + "; target alone per token: " + ", ".join(f"{r.no_draft_ms:.1f} ms" for r in rows))
     if repeat > 1:
@@ -422,7 +443,8 @@ def run(args: argparse.Namespace) -> int:
     window = int(report.facts["window"]) if report.facts["sliding_layers"] else 0
     rows, check = measure(args, window)
     print(table(rows, window, args.repeat))
-    write_records(args, [asdict(r) | {"acceptance_change": r.acceptance_change, "speedup": r.speedup} for r in rows],
+    write_records(args, [asdict(r) | {"acceptance_change": r.acceptance_change, "speedup": r.speedup,
+                                      "adaptive_speedup": r.adaptive_speedup} for r in rows],
                   {"window": window, "n_max": args.n_max, "repeat": args.repeat, "temperature": args.temperature})
     if args.plot:
         plot(rows, window, args.plot)

@@ -41,6 +41,10 @@ class SpeculationStats:
     draft_time: float
     verify_time: float
     step_lengths: list[int] = field(default_factory=list)  # tokens returned by each step
+    steps_by_verified: list[int] = field(default_factory=list)
+    """Steps by how many drafts they verified, 0..n_max: the block length's choices ([0]: steps
+    that decoded one token without verifying drafts)."""
+    probes: int = 0  # draft steps whose tokens were compared with the target's, not verified
 
     @property
     def acceptance(self) -> float:
@@ -51,6 +55,12 @@ class SpeculationStats:
     def mean_acceptance_length(self) -> float:
         """Tokens committed per verification pass (accepted + the target's own token)."""
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def plain_share(self) -> float:
+        """The share of generated tokens decoded one at a time (steps that verified no drafts)."""
+        plain = self.steps_by_verified[0] if self.steps_by_verified else 0
+        return plain / self.generated if self.generated else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -190,19 +200,22 @@ class Engine:
     # collects them, and their defaults are _S's.
 
     def speculate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int = 4,
-                  stop: Sequence[str] = (), stream: bool = False,
+                  adaptive: bool = True, stop: Sequence[str] = (), stream: bool = False,
                   temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
                   min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
                   repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
                   logprobs: int = _S.logprobs) -> SpeculationResult | TextStream:
         """Generate with DFlash: draft up to n_max tokens per step (capped at block_size - 1).
-        ``stop``: strings that end the text (not included). ``stream=True``: a TextStream of
-        text pieces instead, as stream() returns. The sampling keywords are Sampling's."""
+        ``adaptive``: each step verifies as many of them as pay, from the acceptance measured per
+        draft position and this machine's pass costs (none when drafting does not pay); False:
+        every step verifies n_max. ``stop``: strings that end the text (not included).
+        ``stream=True``: a TextStream of text pieces instead, as stream() returns. The sampling
+        keywords are Sampling's."""
         if self.draft is None:
             raise ValueError("speculate() needs a draft model; use generate() for the target alone")
         if n_max < 1:
             raise ValueError(f"n_max must be at least 1, got {n_max}")
-        return self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, stream)
+        return self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, stream, adaptive)
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, stop: Sequence[str] = (),
                  stream: bool = False,
@@ -214,7 +227,7 @@ class Engine:
         return self._run(prompt, max_tokens, 0, Sampling.of(locals()), stop, stream)
 
     def chat(self, messages: Sequence[Mapping[str, str] | tuple[str, str]], *, max_tokens: int = 256,
-             n_max: int = 4, stop: Sequence[str] = (), stream: bool = False,
+             n_max: int = 4, adaptive: bool = True, stop: Sequence[str] = (), stream: bool = False,
              temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
              min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
              repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
@@ -223,7 +236,8 @@ class Engine:
         target's own chat template (ChatML when the GGUF has none), as llama-server's Jinja path
         renders it. With the target alone when the engine has no draft."""
         sampling = Sampling.of(locals())
-        return self._run(self.chat_tokens(messages), max_tokens, n_max if self.draft else 0, sampling, stop, stream)
+        return self._run(self.chat_tokens(messages), max_tokens, n_max if self.draft else 0, sampling, stop, stream,
+                         adaptive)
 
     def chat_tokens(self, messages: Sequence[Mapping[str, str] | tuple[str, str]]) -> list[int]:
         """The prompt chat() sends: the conversation in the target's template, ready for its reply."""
@@ -235,7 +249,7 @@ class Engine:
         return self.target.tokenize(text, add_special=False, parse_special=True)
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int = 4,
-               stop: Sequence[str] = (),
+               adaptive: bool = True, stop: Sequence[str] = (),
                temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
                min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
                repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
@@ -244,18 +258,20 @@ class Engine:
         ``result`` has the tokens, statistics and finish_reason once it is exhausted."""
         if n_max > 0 and self.draft is None:
             raise ValueError("this engine has no draft: stream with n_max=0")
-        return self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, True)
+        return self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, True, adaptive)
 
     def _run(self, prompt: str | Sequence[int], max_tokens: int, n_max: int, sampling: Sampling,
-             stop: Sequence[str], stream: bool) -> SpeculationResult | TextStream:
+             stop: Sequence[str], stream: bool, adaptive: bool = False) -> SpeculationResult | TextStream:
         if self._native is None:
             raise ValueError("the engine is closed")
+        if not isinstance(adaptive, bool):
+            raise TypeError(f"adaptive must be True or False, got {adaptive!r}")
         tokens = self.target.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         decoder = TextDecoder(self.target.detokenize, [stop] if isinstance(stop, str) else stop)
         options = dataclasses.asdict(sampling)
 
         def run(on_commit):
-            return self._native.generate(tokens, max_tokens, n_max, on_commit=on_commit, **options)
+            return self._native.generate(tokens, max_tokens, n_max, adaptive, on_commit=on_commit, **options)
 
         finish = functools.partial(_result, with_logprobs=sampling.logprobs > 0)
         if stream:
@@ -276,7 +292,8 @@ def _result(native: tuple[list[int], dict[str, Any], list], decoder: TextDecoder
         prompt_tokens=raw["n_prompt"], generated=raw["n_generated"], drafted=raw["n_drafted"],
         accepted=raw["n_accepted"], steps=raw["n_steps"], prompt_time=raw["t_prompt_ms"] / 1e3,
         draft_time=raw["t_draft_ms"] / 1e3, verify_time=raw["t_verify_ms"] / 1e3,
-        step_lengths=list(raw["step_lengths"]))
+        step_lengths=list(raw["step_lengths"]), steps_by_verified=list(raw["steps_by_verified"]),
+        probes=raw["n_probes"])
     reason = "stop" if decoder.stopped is not None else "eos" if raw["end_reason"] == "eog" else "length"
     kept = decoder.kept_tokens
     logprobs = None

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-KEYS = ("n_max", "n_min", "p_min", "cross_ctx", "full_attention", "log_drafts", "min_accept")
-SWITCHES = ("full_attention", "log_drafts")  # 0/1 on the command line
+KEYS = ("n_max", "n_min", "p_min", "cross_ctx", "full_attention", "log_drafts", "min_accept", "adaptive")
+SWITCHES = ("full_attention", "log_drafts", "adaptive")  # 0/1 on the command line
 FRACTIONS = ("p_min", "min_accept")
 ALIASES = {"dflash_cross_ctx": "cross_ctx"}
 
@@ -34,6 +34,7 @@ class SpecType:
     full_attention: bool = False
     log_drafts: bool = False  # the server logs every proposal (for comparing runs)
     min_accept: float | None = None  # stop drafting for a request whose last 16 steps accept less
+    adaptive: bool | None = None  # verify as many drafts as pay each step (None: the server's default, on)
 
     def __post_init__(self) -> None:
         for name, low in (("n_max", 1), ("n_min", 0), ("cross_ctx", 1)):
@@ -49,7 +50,9 @@ class SpecType:
         """The value of --spec-type."""
         parts = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
                  if f.name not in SWITCHES and getattr(self, f.name) is not None]
-        parts += [f"{name}=1" for name in SWITCHES if getattr(self, name)]
+        parts += [f"{name}=1" for name in ("full_attention", "log_drafts") if getattr(self, name)]
+        if self.adaptive is not None:  # on by default in the server: said only when asked for
+            parts.append(f"adaptive={int(self.adaptive)}")
         return "dflash" + (":" + ",".join(parts) if parts else "")
 
     @classmethod
@@ -66,11 +69,13 @@ class SpecType:
             if key not in KEYS:
                 raise SpecTypeError(f"--spec-type dflash: unknown key '{key}' (known: {', '.join(KEYS)}, "
                                     "dflash_cross_ctx)")
+            if key in SWITCHES:
+                if value not in ("0", "1"):
+                    raise SpecTypeError(f"--spec-type dflash: {key} must be 0 or 1, got '{value}'")
+                values[key] = value == "1"
+                continue
             try:
                 values[key] = float(value) if key in FRACTIONS else int(value)
             except ValueError:
                 raise SpecTypeError(f"--spec-type dflash: {key}={value} is not a number") from None
-        for name in SWITCHES:
-            if name in values:
-                values[name] = bool(values[name])
         return cls(**values)  # type: ignore[arg-type]

@@ -1,0 +1,341 @@
+// The adaptive block length (dflash.h, "adaptive block length"): how many draft tokens a step
+// verifies, chosen from the measured acceptance per draft position and the measured cost of a
+// target pass per row count. Nothing here touches a model but dflash_costs_calibrate.
+
+#include "dflash.h"
+#include "dflash-impl.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <deque>
+#include <string>
+#include <vector>
+
+using dflash_impl::fail;
+using dflash_impl::guarded;
+
+namespace {
+
+// Acceptance estimates: each new observation at a draft position discounts the earlier ones by
+// this factor, so an estimate follows roughly the last 1 / (1 - k_decay) observations: quick
+// enough to follow prose turning into a quoted passage, slow enough to ride out single misses.
+constexpr double k_decay = 0.9;
+// What a position's estimate is before it has been seen (a coin flip, worth one observation).
+constexpr double k_prior_p = 0.5;
+constexpr double k_prior_weight = 1.0;
+// A new request starts from its sequence's last estimates at this weight.
+constexpr double k_carry_over = 0.5;
+// At k = 0 a probe (a draft step whose tokens are only compared, not verified) runs every
+// `interval` plain steps; a probe whose first token misses doubles the interval up to this.
+constexpr int k_max_probe_interval = 32;
+// Pass costs follow the machine: running averages with these weights, and one observation moves
+// an estimate by at most this factor (a stall of the shared machine is not the new cost).
+constexpr double k_scale_weight = 0.1;
+constexpr double k_shape_weight = 0.05;
+constexpr double k_outlier = 3.0;
+constexpr int k_calibration_rounds = 3;
+
+double now_ms() {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double clamped(double value, double estimate) {
+    return std::clamp(value, estimate / k_outlier, estimate * k_outlier);
+}
+
+}  // namespace
+
+// The cost of a target pass over r rows is modelled as scale x shape[r] with shape[1] = 1: the
+// scale follows every pass (the context grows, the machine gets busy), the shape of each row count
+// only the passes of that count, so a row count the controller stopped using keeps its ratio to
+// one row instead of a stale absolute time.
+struct dflash_costs {
+    int max_rows = 0;
+    std::vector<double> shape;  // [r], r = 1..max_rows; [0] unused
+    double scale_ms = 0.0;      // t_pass(1); 0 until measured
+    double draft_ms = 0.0;      // one draft step; 0 until measured
+    bool frozen = false;        // set by IKDFLASH_COSTS: observations are ignored
+
+    double pass_ms(int rows) const { return scale_ms * shape[std::clamp(rows, 1, max_rows)]; }
+
+    void observe_pass(int rows, double ms) {
+        if (frozen || rows < 1 || rows > max_rows || !(ms > 0.0)) {
+            return;
+        }
+        if (scale_ms <= 0.0) {
+            scale_ms = ms / shape[rows];
+            return;
+        }
+        ms = clamped(ms, pass_ms(rows));
+        scale_ms += k_scale_weight * (ms / shape[rows] - scale_ms);
+        if (rows > 1) {
+            shape[rows] += k_shape_weight * (ms / scale_ms - shape[rows]);
+        }
+    }
+
+    void observe_draft(double ms) {
+        if (frozen || !(ms > 0.0)) {
+            return;
+        }
+        draft_ms = draft_ms <= 0.0 ? ms : draft_ms + k_scale_weight * (clamped(ms, draft_ms) - draft_ms);
+    }
+
+    // Pass times for 1..max_rows rows: a larger pass is never cheaper than a smaller one.
+    void set_passes(const double * ms) {
+        for (int r = 1; r <= max_rows; ++r) {
+            if (!(ms[r - 1] > 0.0)) {
+                fail("pass time for %d rows must be positive, got %g", r, ms[r - 1]);
+            }
+        }
+        scale_ms = ms[0];
+        for (int r = 1; r <= max_rows; ++r) {
+            shape[r] = std::max(ms[r - 1] / ms[0], shape[r - 1]);
+        }
+    }
+
+    // IKDFLASH_COSTS="draft_ms:pass_ms_1,pass_ms_2,..." (tests): these costs, fixed, instead of
+    // timing this machine, so the controller's choices do not depend on the machine's speed. Row
+    // counts past the list cost what the last one listed does.
+    bool set_from_environment() {
+        const char * text = std::getenv("IKDFLASH_COSTS");
+        if (text == nullptr || *text == '\0') {
+            return false;
+        }
+        // a positive number spanning the whole of `item`, else 0
+        auto positive = [](const std::string & item) {
+            char * end = nullptr;
+            const double v = std::strtod(item.c_str(), &end);
+            return !item.empty() && *end == '\0' && v > 0.0 ? v : 0.0;
+        };
+        const std::string all = text;
+        const size_t colon = all.find(':');
+        const double draft = positive(all.substr(0, colon));
+        std::vector<double> ms;
+        for (size_t at = colon + 1; colon != std::string::npos && at <= all.size();) {
+            const size_t comma = std::min(all.find(',', at), all.size());
+            ms.push_back(positive(all.substr(at, comma - at)));
+            at = comma + 1;
+        }
+        if (draft == 0.0 || ms.empty() || std::find(ms.begin(), ms.end(), 0.0) != ms.end()) {
+            fail("IKDFLASH_COSTS='%s' is not draft_ms:pass_ms_1,pass_ms_2,... (positive numbers)", text);
+        }
+        ms.resize(max_rows, ms.back());
+        set_passes(ms.data());
+        draft_ms = draft;
+        frozen = true;
+        return true;
+    }
+};
+
+// One sequence's controller. Every proposal stays pending until the target has committed a token
+// at each of its positions or one differs: so a step that verifies k tokens still measures the
+// positions after k (against the target's later tokens), and an unverified probe measures all.
+struct dflash_adapt {
+    const dflash_costs * costs = nullptr;  // null: fixed block length
+    int n_max = 0;
+    std::vector<double> hits, seen;        // per draft position j (index j - 1), discounted counts
+    struct proposal {
+        std::vector<llama_token> tokens;
+        size_t next = 0;                   // the index compared with the next committed token
+    };
+    std::deque<proposal> pending;
+    int probe_interval = 1;
+    int since_probe = 0;                   // plain steps since the last probe
+    dflash_adapt_stats stats{};
+
+    double acceptance(int j) const {  // P(token j kept | tokens before it kept), j = 1..n_max
+        return (hits[j - 1] + k_prior_weight * k_prior_p) / (seen[j - 1] + k_prior_weight);
+    }
+
+    // The k in 0..n_limit with the most expected tokens per millisecond.
+    int best_k(int n_limit) const {
+        if (costs->scale_ms <= 0.0) {
+            return n_limit;  // nothing measured yet: speculate, which measures
+        }
+        int best = 0;
+        double best_rate = 1.0 / costs->pass_ms(1);
+        double expected = 1.0, kept_through = 1.0;
+        for (int k = 1; k <= n_limit; ++k) {
+            kept_through *= acceptance(k);
+            expected += kept_through;
+            const double rate = expected / (costs->draft_ms + costs->pass_ms(k + 1));
+            if (rate > best_rate) {
+                best = k;
+                best_rate = rate;
+            }
+        }
+        return best;
+    }
+
+    dflash_adapt_plan plan(int n_limit) {
+        n_limit = std::clamp(n_limit, 0, n_max);
+        if (n_limit == 0) {
+            return {0, 0};
+        }
+        if (costs == nullptr) {
+            return {n_limit, n_limit};
+        }
+        const int k = best_k(n_limit);
+        if (k > 0) {
+            return {n_limit, k};
+        }
+        if (++since_probe < probe_interval) {
+            return {0, 0};
+        }
+        since_probe = 0;
+        stats.n_probes += 1;
+        return {n_limit, 0};
+    }
+
+    void observe(int j, bool kept) {
+        hits[j - 1] = k_decay * hits[j - 1] + (kept ? 1.0 : 0.0);
+        seen[j - 1] = k_decay * seen[j - 1] + 1.0;
+        if (j == 1) {
+            probe_interval = kept ? 1 : std::min(2 * probe_interval, k_max_probe_interval);
+        }
+    }
+
+    void proposed(const llama_token * tokens, int n) {
+        if (costs != nullptr && n > 0) {
+            pending.push_back({std::vector<llama_token>(tokens, tokens + std::min(n, n_max)), 0});
+        }
+    }
+
+    void committed(int n_verified, const llama_token * tokens, int n) {
+        stats.n_steps_at[std::clamp(n_verified, 0, DFLASH_MAX_VERIFY)] += 1;
+        for (int i = 0; i < n; ++i) {
+            for (auto & p : pending) {
+                const bool kept = p.tokens[p.next] == tokens[i];
+                observe((int) p.next + 1, kept);
+                p.next = kept ? p.next + 1 : p.tokens.size();
+            }
+            pending.erase(std::remove_if(pending.begin(), pending.end(),
+                                         [](const proposal & p) { return p.next == p.tokens.size(); }),
+                          pending.end());
+        }
+    }
+
+    void reset() {
+        for (int j = 0; j < n_max; ++j) {
+            hits[j] *= k_carry_over;
+            seen[j] *= k_carry_over;
+        }
+        pending.clear();
+        probe_interval = 1;
+        since_probe = 0;
+        stats = {};
+    }
+};
+
+dflash_costs * dflash_costs_init(int max_rows) {
+    return guarded([&]() -> dflash_costs * {
+        if (max_rows < 1) {
+            fail("a pass has at least 1 row, got max_rows %d", max_rows);
+        }
+        auto c = new dflash_costs();
+        c->max_rows = max_rows;
+        c->shape.assign(max_rows + 1, 1.0);
+        return c;
+    }, (dflash_costs *) nullptr);
+}
+
+void dflash_costs_free(dflash_costs * costs) { delete costs; }
+
+int dflash_costs_set_passes(dflash_costs * costs, const double * pass_ms) {
+    return guarded([&]() -> int {
+        costs->set_passes(pass_ms);
+        return 0;
+    }, -1);
+}
+
+int dflash_costs_calibrate(dflash_costs * costs, llama_context * ctx) {
+    return guarded([&]() -> int {
+        if (costs->set_from_environment()) {
+            return 0;
+        }
+        const int max_rows = costs->max_rows;
+        if (max_rows > (int) llama_n_batch(ctx)) {
+            fail("cannot time passes of %d rows with n_batch %d", max_rows, (int) llama_n_batch(ctx));
+        }
+        llama_batch batch = llama_batch_init(max_rows, 0, 1);
+        auto pass = [&](int rows) {
+            batch.n_tokens = rows;
+            for (int j = 0; j < rows; ++j) {
+                batch.token[j] = 0;  // any id: the cost does not depend on it
+                batch.pos[j] = j;
+                batch.n_seq_id[j] = 1;
+                batch.seq_id[j][0] = 0;
+                batch.logits[j] = true;  // as a verification pass
+            }
+            llama_kv_cache_clear(ctx);
+            const double t0 = now_ms();
+            const int rc = llama_decode(ctx, batch);
+            const double ms = now_ms() - t0;
+            if (rc != 0) {
+                llama_batch_free(batch);
+                llama_kv_cache_clear(ctx);
+                fail("a calibration pass of %d rows failed with code %d", rows, rc);
+            }
+            return ms;
+        };
+        pass(1);  // the first pass pages weights in and plans buffers
+        // rounds over every row count, so a slow moment of the machine spreads over all of them
+        std::vector<double> best(max_rows, 0.0);
+        for (int round = 0; round < k_calibration_rounds; ++round) {
+            for (int r = 1; r <= max_rows; ++r) {
+                const double ms = pass(r);
+                best[r - 1] = round == 0 ? ms : std::min(best[r - 1], ms);
+            }
+        }
+        llama_batch_free(batch);
+        llama_kv_cache_clear(ctx);
+        costs->set_passes(best.data());
+        return 0;
+    }, -1);
+}
+
+void dflash_costs_observe_pass(dflash_costs * costs, int n_rows, double ms) { costs->observe_pass(n_rows, ms); }
+
+void dflash_costs_observe_draft(dflash_costs * costs, double ms) { costs->observe_draft(ms); }
+
+double dflash_costs_pass_ms(const dflash_costs * costs, int n_rows) { return costs->pass_ms(n_rows); }
+
+double dflash_costs_draft_ms(const dflash_costs * costs) { return costs->draft_ms; }
+
+int dflash_costs_max_rows(const dflash_costs * costs) { return costs->max_rows; }
+
+dflash_adapt * dflash_adapt_init(const dflash_costs * costs, int n_max) {
+    return guarded([&]() -> dflash_adapt * {
+        if (n_max < 0 || n_max > DFLASH_MAX_VERIFY) {
+            fail("n_max must be in 0..%d, got %d", DFLASH_MAX_VERIFY, n_max);
+        }
+        if (costs != nullptr && costs->max_rows < n_max + 1) {
+            fail("the pass costs cover %d rows, a step of n_max %d needs %d", costs->max_rows, n_max, n_max + 1);
+        }
+        auto a = new dflash_adapt();
+        a->costs = costs;
+        a->n_max = n_max;
+        a->hits.assign(n_max, 0.0);
+        a->seen.assign(n_max, 0.0);
+        return a;
+    }, (dflash_adapt *) nullptr);
+}
+
+void dflash_adapt_free(dflash_adapt * adapt) { delete adapt; }
+
+void dflash_adapt_reset(dflash_adapt * adapt) { adapt->reset(); }
+
+dflash_adapt_plan dflash_adapt_plan_step(dflash_adapt * adapt, int n_limit) { return adapt->plan(n_limit); }
+
+void dflash_adapt_proposed(dflash_adapt * adapt, const llama_token * tokens, int n) { adapt->proposed(tokens, n); }
+
+void dflash_adapt_committed(dflash_adapt * adapt, int n_verified, const llama_token * tokens, int n) {
+    adapt->committed(n_verified, tokens, n);
+}
+
+float dflash_adapt_acceptance(const dflash_adapt * adapt, int j) {
+    return j >= 1 && j <= adapt->n_max ? (float) adapt->acceptance(j) : 0.0f;
+}
+
+dflash_adapt_stats dflash_adapt_get_stats(const dflash_adapt * adapt) { return adapt->stats; }

@@ -1,0 +1,225 @@
+"""The adaptive block length: the controller on its own (acceptance patterns and pass costs given,
+no model), then in the engine and in llama-server, where it must never change the output.
+
+The controller's choices depend on pass costs; tests that look at its choices fix them through
+IKDFLASH_COSTS ("draft_ms:pass_ms_1,pass_ms_2,...") so that they are the same on any machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from ikdflash import Engine
+from ikdflash._core import BlockController
+
+# A CPU-like machine: a step of 5 rows costs 1.9 one-row passes, a draft step 0.7.
+CPU_PASSES = [1.0, 1.09, 1.3, 1.6, 1.9]
+CPU_DRAFT = 0.7
+# A GPU-like one: rows are nearly free, the draft is cheap.
+GPU_PASSES = [1.0, 1.01, 1.02, 1.03, 1.04]
+GPU_DRAFT = 0.1
+
+
+def run_steps(ctl: BlockController, steps: int, draft_is_right, n_limit: int = 4) -> list[int]:
+    """Drive ctl for `steps` steps of a generation whose target commits token 1 at every position
+    and whose draft proposes 1 where draft_is_right(step) and 2 elsewhere; returns each step's k."""
+    chosen = []
+    for step in range(steps):
+        n_draft, n_verify = ctl.plan(n_limit)
+        assert 0 <= n_verify <= n_draft <= n_limit
+        proposal = [1 if draft_is_right(step) else 2] * n_draft
+        if n_draft:
+            ctl.proposed(proposal)
+        accepted = 0
+        while accepted < n_verify and proposal[accepted] == 1:
+            accepted += 1
+        ctl.committed(n_verify, [1] * (accepted + 1))
+        chosen.append(n_verify)
+    return chosen
+
+
+def test_a_useless_draft_settles_at_zero_and_probes_ever_less():
+    ctl = BlockController(4, CPU_PASSES, CPU_DRAFT)
+    chosen = run_steps(ctl, 200, lambda step: False)
+    assert max(chosen[5:]) == 0, chosen[:20]  # settled within 5 steps
+    probes = ctl.stats()["n_probes"]
+    assert probes <= 10, probes  # the interval doubles: 1, 2, 4, ... 32
+    assert ctl.stats()["steps_by_verified"][0] >= 195
+
+
+def test_an_always_right_draft_settles_at_n_max():
+    for passes, draft in ((CPU_PASSES, CPU_DRAFT), (GPU_PASSES, GPU_DRAFT)):
+        ctl = BlockController(4, passes, draft)
+        chosen = run_steps(ctl, 60, lambda step: True)
+        assert set(chosen[10:]) == {4}, chosen
+
+
+def test_it_comes_back_from_zero_when_the_draft_becomes_right():
+    """Prose (the draft useless) that turns into copying a quoted passage (the draft right)."""
+    ctl = BlockController(4, CPU_PASSES, CPU_DRAFT)
+    chosen = run_steps(ctl, 300, lambda step: step >= 150)
+    assert max(chosen[20:150]) == 0
+    # the probe interval is at most 32 steps, and a few kept probes turn drafting back on
+    back = next(i for i in range(150, 300) if chosen[i] > 0)
+    assert back <= 150 + 32 + 8, back
+    assert set(chosen[back + 10:]) == {4}
+
+
+def test_a_middling_draft_verifies_what_pays():
+    """Position 1 kept 90% of the time, the later ones never: on the CPU-like costs one draft pays
+    (E = 1.9 tokens for 1.79 passes) and more do not."""
+    ctl = BlockController(4, CPU_PASSES, CPU_DRAFT)
+    chosen = []
+    for step in range(400):
+        n_draft, n_verify = ctl.plan(4)
+        proposal = [1 if step % 10 else 2] + [2] * (n_draft - 1) if n_draft else []
+        if n_draft:
+            ctl.proposed(proposal)
+        accepted = int(n_verify > 0 and proposal[0] == 1)
+        ctl.committed(n_verify, [1] * (accepted + 1))
+        chosen.append(n_verify)
+    assert chosen[50:].count(1) >= 0.9 * 350, chosen[50:100]
+    p = ctl.acceptance()
+    assert 0.6 < p[0] < 1.0 and p[1] < 0.3
+
+
+def test_fixed_mode_always_verifies_the_limit():
+    ctl = BlockController(4, CPU_PASSES, CPU_DRAFT, adaptive=False)
+    assert run_steps(ctl, 20, lambda step: False) == [4] * 20
+    assert ctl.plan(2) == (2, 2) and ctl.plan(0) == (0, 0) and ctl.plan(9) == (4, 4)
+
+
+def test_a_new_request_forgets_its_statistics_but_not_what_it_learnt():
+    ctl = BlockController(4, CPU_PASSES, CPU_DRAFT)
+    run_steps(ctl, 50, lambda step: False)
+    before = ctl.acceptance()
+    ctl.reset()
+    assert ctl.stats() == {"steps_by_verified": [0] * 5, "n_probes": 0}
+    assert ctl.acceptance()[0] > before[0]  # pulled halfway back towards the prior
+    assert ctl.acceptance()[0] < 0.5
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(n_max=-1, pass_ms=[1.0], draft_ms=1.0), "n_max must be in 0..63"),
+    (dict(n_max=2, pass_ms=[1.0, 1.0], draft_ms=1.0), "1..3 rows"),
+    (dict(n_max=1, pass_ms=[1.0, -1.0], draft_ms=1.0), "must be positive"),
+    (dict(n_max=1, pass_ms=[1.0, 1.0], draft_ms=0.0), "draft_ms must be positive"),
+])
+def test_bad_controller_values_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BlockController(**kwargs)
+
+
+# --- in the engine ------------------------------------------------------------------------------
+
+def test_the_engine_settles_at_n_max_for_an_always_right_draft(oracle_pair, monkeypatch):
+    monkeypatch.setenv("IKDFLASH_COSTS", "0.7:1,1.09,1.3,1.6,1.9")
+    target, right, _ = oracle_pair
+    with Engine(target, right, n_ctx=256) as engine:
+        out = engine.speculate("hello there", max_tokens=61, n_max=4)
+    st = out.stats
+    assert out.tokens == [0] * 61
+    # the prior (every position a coin flip) does not pay on these costs: one probe, then n_max
+    assert st.probes == 1 and st.steps_by_verified[4] >= st.steps - 4, st.steps_by_verified
+    assert st.drafted == sum(k * n for k, n in enumerate(st.steps_by_verified))
+    assert st.acceptance == 1.0
+
+
+def test_the_engine_settles_at_zero_for_a_useless_draft(oracle_pair, monkeypatch):
+    monkeypatch.setenv("IKDFLASH_COSTS", "0.7:1,1.09,1.3,1.6,1.9")
+    target, _, wrong = oracle_pair
+    with Engine(target, wrong, n_ctx=256) as engine:
+        out = engine.speculate("hello there", max_tokens=100, n_max=4)
+        fixed = engine.speculate("hello there", max_tokens=100, n_max=4, adaptive=False)
+    st = out.stats
+    assert out.tokens == fixed.tokens == [0] * 100
+    assert sum(st.steps_by_verified[1:]) <= 3, st.steps_by_verified
+    assert st.plain_share >= 0.95 and 1 <= st.probes <= 8
+    # fixed: n_max every step but the last ones, where the budget leaves room for fewer
+    assert fixed.stats.steps_by_verified == [1, 1, 1, 1, 95] and fixed.stats.probes == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+def test_adaptive_speculation_is_lossless_whatever_the_costs(swa_pairs, arch, monkeypatch):
+    """Costs that make every k pay, none pay, or some pay: the tokens are the target's."""
+    target, draft = swa_pairs[arch]
+    with Engine(target, draft, n_ctx=512, n_batch=32) as engine:
+        prompt = engine.target.tokenize("the quick brown fox jumps over the lazy dog " * 6, add_special=False)
+        plain = engine.generate(prompt, max_tokens=48).tokens
+        for costs in ("0.01:1", "5:1,3,6,9,12", "0.7:1,1.09,1.3,1.6,1.9"):
+            monkeypatch.setenv("IKDFLASH_COSTS", costs)
+            with Engine(target, draft, n_ctx=512, n_batch=32) as fresh:  # costs are read once an engine
+                out = fresh.speculate(prompt, max_tokens=48, n_max=4)
+            assert out.tokens == plain, costs
+            assert sum(out.stats.steps_by_verified) == out.stats.steps
+        monkeypatch.delenv("IKDFLASH_COSTS")
+        assert engine.speculate(prompt, max_tokens=48, n_max=4).tokens == plain  # timed on this machine
+
+
+def test_bad_adaptive_values_get_clear_errors(oracle_pair, monkeypatch):
+    target, right, _ = oracle_pair
+    with Engine(target, right, n_ctx=256) as engine:
+        with pytest.raises(TypeError, match="adaptive must be True or False, got 2"):
+            engine.speculate("hi", max_tokens=4, adaptive=2)
+        with pytest.raises(ValueError, match="n_max must be at least 1, got -1"):
+            engine.speculate("hi", max_tokens=4, n_max=-1)
+        monkeypatch.setenv("IKDFLASH_COSTS", "fast:1,2")
+        with pytest.raises(ValueError, match="IKDFLASH_COSTS='fast:1,2' is not draft_ms:pass_ms_1"):
+            engine.speculate("hi", max_tokens=4)
+
+
+# --- in llama-server ----------------------------------------------------------------------------
+
+def completion(url: str, prompt: str, n_predict: int) -> dict:
+    from ikdflash.client import post_json
+    return post_json(url + "/completion", {"prompt": prompt, "n_predict": n_predict, "temperature": 0,
+                                           "ignore_eos": True, "cache_prompt": False})
+
+
+def test_the_server_times_its_passes_and_stays_lossless(swa_pairs, tmp_path, monkeypatch):
+    """On this machine's own costs (whatever they are) the replies are the target's, every step is
+    counted once by the drafts it verified, and /metrics and /slots say what the controller did."""
+    import json
+    import urllib.request
+
+    from ikdflash import Server
+    from ikdflash.spectype import SpecType
+
+    monkeypatch.delenv("IKDFLASH_COSTS")
+    target, draft = swa_pairs["llama"]
+    prompt = "the quick brown fox jumps over the lazy dog, and the cat sat on the mat. " * 3
+    with Server(target, ctx_size=1024, n_threads=2) as url:
+        plain = [completion(url, prompt, 48)["content"], completion(url, "a cat", 48)["content"]]
+    log = tmp_path / "s.log"
+    args = ["--model-draft", str(draft), "--spec-type", SpecType(n_max=4).flag(), "--metrics"]
+    with Server(target, ctx_size=1024, n_threads=2, log_file=log, extra_args=args) as url:
+        replies = [completion(url, prompt, 48), completion(url, "a cat", 48)]
+        metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+        slots = json.loads(urllib.request.urlopen(url + "/slots", timeout=30).read())
+    assert [r["content"] for r in replies] == plain
+    for reply in replies:
+        t = reply["timings"]
+        by_k = t["draft_steps_by_verified"]
+        assert len(by_k) == 5 and sum(by_k) == t["predicted_n"] - 1 - t["draft_n_accepted"]
+        assert t["draft_n"] == sum(k * n for k, n in enumerate(by_k))
+    assert slots[0]["speculation"]["draft_steps_by_verified"] == replies[-1]["timings"]["draft_steps_by_verified"]
+    plain_steps = sum(r["timings"]["draft_steps_by_verified"][0] for r in replies)
+    assert f"llamacpp:dflash_plain_steps_total {plain_steps}" in metrics
+    text = log.read_text()
+    assert "dflash: adaptive block length on (n_max 4 the ceiling); target pass of 1..5 rows:" in text
+    assert "dflash: steps by drafts verified {0: " in text
+
+
+@pytest.mark.parametrize("which, verified", [("right", 4), ("wrong", 0)])
+def test_the_server_settles_like_the_engine(oracle_pair, tmp_path, monkeypatch, which, verified):
+    from ikdflash import Server
+    from ikdflash.spectype import SpecType
+
+    monkeypatch.setenv("IKDFLASH_COSTS", "0.7:1,1.09,1.3,1.6,1.9")
+    target, right, wrong = oracle_pair
+    args = ["--model-draft", str(right if which == "right" else wrong), "--spec-type", SpecType(n_max=4).flag()]
+    with Server(target, ctx_size=512, n_threads=2, log_file=tmp_path / "s.log", extra_args=args) as url:
+        t = completion(url, "hello", 80)["timings"]
+    by_k = t["draft_steps_by_verified"]
+    assert by_k[verified] >= sum(by_k) - 4, by_k
+    # the prior does not pay on these costs: one probe starts each request; a useless draft's go on
+    assert t["draft_probes"] == 1 if which == "right" else t["draft_probes"] >= 3
