@@ -31,25 +31,45 @@ def test_generate_prints_text_and_statistics(tiny_model, tiny_draft, capsys):
     assert "missing.gguf" in capsys.readouterr().err
 
 
-def test_ctrl_c_ends_a_command_with_one_line(tiny_model, tiny_draft, tmp_path):
-    """SIGINT during a long conversion ends it with a message, exit 130, no traceback and no
-    partial output file."""
+def paused(process, point: str, seen: list[str]) -> None:
+    """Read the command's stderr (into seen) until it says it waits at point (its environment's
+    IKDFLASH_TEST_PAUSE, python/ikdflash/pausepoint.py): then a signal reaches it there."""
+    import threading
+    watchdog = threading.Timer(300, process.kill)  # a command that never gets there fails instead of hanging
+    watchdog.start()
+    try:
+        for line in process.stderr:
+            seen.append(line)
+            if line.rstrip("\n") == f"ikdflash: paused at {point}":
+                return
+    finally:
+        watchdog.cancel()
+    raise AssertionError(f"the command did not pause at {point}: {''.join(seen)}")
+
+
+def test_ctrl_c_ends_a_command_with_one_line(tiny_model, tmp_path):
+    """SIGINT during a conversion ends it with a message, exit 130, no traceback and no partial
+    output file. The conversion waits after its second tensor for the signal."""
+    import os
     import signal
     import subprocess
     import sys
+
     from ikdflash.tinydraft import write_hf_target, write_tiny_draft
     target = tiny_model("llama")
     hf = write_hf_target(tmp_path / "hf", target)
-    draft = write_tiny_draft(tmp_path / "d", hf, target_layer_ids=[0], layer_types=["full_attention"] * 64,
-                             n_ff=2048)
+    draft = write_tiny_draft(tmp_path / "d", hf, target_layer_ids=[0])
     process = subprocess.Popen([sys.executable, "-m", "ikdflash.cli", "convert", str(draft), "--target-model-dir",
                                 str(hf), "--outtype", "q8_0", "--outfile", str(tmp_path / "out.gguf")],
-                               stderr=subprocess.PIPE, text=True)
-    assert process.stderr.readline().startswith("[1/")  # converting: hundreds of tensors to go
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "IKDFLASH_TEST_PAUSE": "convert@2"})
+    seen: list[str] = []
+    paused(process, "convert@2", seen)
+    assert seen[0].startswith("[1/") and seen[1].startswith("[2/") and not seen[1].startswith("[2/2]")
+    assert any(p.name.endswith(".partial") for p in tmp_path.iterdir())  # mid-write
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 130, err
-    assert err.strip().endswith("ikdflash convert: interrupted") and "Traceback" not in err
+    assert err.strip() == "ikdflash convert: interrupted" and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "hf"]
 
 
@@ -78,27 +98,27 @@ def test_chat_answers_each_turn_with_the_conversation_so_far(tiny_model, tiny_dr
     assert replies == [first, second, fresh]
 
 
-def test_chat_drops_the_oldest_turns_and_ctrl_c_stops_a_reply(tiny_model, tiny_draft):
+def test_chat_drops_the_oldest_turns_and_ctrl_c_stops_a_reply(tiny_model, tiny_draft, tmp_path):
+    """The fourth reply waits after its first piece for the signal; the chat goes on to /exit."""
+    import os
     import signal
     import subprocess
     target, draft = chat_pair(tiny_model, tiny_draft)
-    proc = subprocess.Popen(["ikdflash", "chat", "--target", str(target), "--draft", str(draft), "-c", "512",
-                             "--max-tokens", "400", "--threads", "2"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # three exchanges of ~100 + 400 tokens outgrow a context of 512
+    (tmp_path / "in").write_text(("the river town and its bridges " * 12 + "\n") * 3 + "tell me everything\n/exit\n")
+    with open(tmp_path / "in") as lines:
+        proc = subprocess.Popen(["ikdflash", "chat", "--target", str(target), "--draft", str(draft), "-c", "512",
+                                 "--max-tokens", "400", "--threads", "2"], stdin=lines, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, "IKDFLASH_TEST_PAUSE": "reply@4"})
     try:
-        for _ in range(3):  # three exchanges of ~100 + 400 tokens outgrow a context of 512
-            proc.stdin.write("the river town and its bridges " * 12 + "\n")
-            proc.stdin.flush()
-            proc.stdout.readline()
-        proc.stdin.write("tell me everything\n")
-        proc.stdin.flush()
-        proc.stdout.read(1)  # the reply has started
+        seen: list[str] = []
+        paused(proc, "reply@4", seen)
         proc.send_signal(signal.SIGINT)
-        proc.stdin.write("/exit\n")
-        proc.stdin.flush()
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
+    err = "".join(seen) + err
     assert proc.returncode == 0, err
     assert "oldest exchange" in err and "no longer fit the context of 512 tokens" in err
-    assert "(stopped)" in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.startswith("dflash: ")]) == 4
+    assert "(stopped)" in err.splitlines()[-1] and "Traceback" not in err

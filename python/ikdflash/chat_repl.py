@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+from ikdflash import pausepoint
 from ikdflash.engine import Engine
 from ikdflash.generate import summary
 from ikdflash.hub import HubError, add_model_arguments, resolve_models
@@ -85,8 +86,10 @@ def reply(engine: Engine, tokens: list[int], args: argparse.Namespace) -> tuple[
     stream = engine.stream(tokens, max_tokens=args.max_tokens, n_max=n_max)
     stopped = False
     try:
-        for piece in stream:
+        for n, piece in enumerate(stream):
             print(piece, end="", flush=True)
+            if n == 0:
+                pausepoint.reached("reply")
     except KeyboardInterrupt:
         stopped = True
         stream.close()  # the generation ends after its current step

@@ -33,6 +33,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import gguf
 
+from ikdflash import pausepoint
 from ikdflash.hf import CheckpointError, read_config, read_json_object, read_tensors, text_config
 from ikdflash.pair import gguf_field
 
@@ -518,6 +519,7 @@ def _write_gguf(outfile: Path, name: str, header: DraftHeader, outtype: str, tok
             data, qtype = encode_tensor(array, outtype)
             writer.add_tensor(tensor_name, data, raw_dtype=qtype)
             log(f"[{i}/{len(tensors)}] {tensor_name:36s} {str(list(array.shape)):16s} {qtype.name}")
+            pausepoint.reached("convert")
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ikdflash import pausepoint
 from ikdflash.engine import Engine, SpeculationStats
 from ikdflash.hub import HubError, add_model_arguments, resolve_models
 
@@ -54,8 +55,10 @@ def run(args: argparse.Namespace) -> int:
             else:
                 tokens = engine.chat_tokens(([("system", args.system)] if args.system else []) + [("user", prompt)])
             stream = engine.stream(tokens, max_tokens=args.max_tokens, n_max=args.n_max, stop=args.stop or ())
-            for piece in stream:
+            for n, piece in enumerate(stream):
                 print(piece, end="", flush=True)
+                if n == 0:
+                    pausepoint.reached("reply")
             print()
             out = stream.result
             assert out.stats is not None
