@@ -73,6 +73,27 @@ def test_ctrl_c_ends_a_command_with_one_line(tiny_model, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "hf"]
 
 
+def test_ctrl_c_ends_a_generation_after_its_current_step(tiny_model, tiny_draft):
+    """Before, Ctrl-C during `ikdflash generate` waited for the generation to run to
+    --max-tokens (here: minutes on 2 cores) before the one line and exit 130."""
+    import os
+    import signal
+    import subprocess
+    target, draft = chat_pair(tiny_model, tiny_draft)
+    process = subprocess.Popen(["ikdflash", "generate", "--target", str(target), "--draft", str(draft), "--raw",
+                                "-c", "8192", "--max-tokens", "6000", "--threads", "2", "the river town"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "IKDFLASH_TEST_PAUSE": "reply@1"})
+    try:
+        paused(process, "reply@1", [])
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130, err
+    assert err.strip() == "ikdflash generate: interrupted"
+
+
 def chat_pair(tiny_model, tiny_draft):
     target = tiny_model("llama")
     return target, tiny_draft(target, target_layer_ids=[0, 2], layer_types=["sliding_attention", "full_attention"],

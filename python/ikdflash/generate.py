@@ -54,11 +54,13 @@ def run(args: argparse.Namespace) -> int:
                 tokens = engine.target.tokenize(prompt)
             else:
                 tokens = engine.chat_tokens(([("system", args.system)] if args.system else []) + [("user", prompt)])
-            stream = engine.stream(tokens, max_tokens=args.max_tokens, n_max=args.n_max, stop=args.stop or ())
-            for n, piece in enumerate(stream):
-                print(piece, end="", flush=True)
-                if n == 0:
-                    pausepoint.reached("reply")
+            # closed on the way out: Ctrl-C ends the generation after its current step, where the
+            # engine's close would otherwise wait for it to run to max_tokens
+            with engine.stream(tokens, max_tokens=args.max_tokens, n_max=args.n_max, stop=args.stop or ()) as stream:
+                for n, piece in enumerate(stream):
+                    print(piece, end="", flush=True)
+                    if n == 0:
+                        pausepoint.reached("reply")
             print()
             out = stream.result
             assert out.stats is not None
