@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -67,9 +66,8 @@ def test_end_to_end_and_sigterm_leaves_no_orphan(pair, tmp_path):
     servers = children(proc.pid)
     assert servers
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
+    assert proc.wait(timeout=30) == 0  # serve reaps its server (Server.stop waits) before it exits
     proc.stderr.close()
-    time.sleep(0.2)
     for pid in servers:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -104,6 +102,33 @@ def test_port_in_use(pair):
         out = serve("--target", str(target), "--draft", str(draft), "-c", "1024", "--port", str(port))
     assert out.returncode == 1
     assert f"port {port} on 127.0.0.1 is already in use" in out.stderr
+
+
+def test_a_port_a_server_just_left_is_usable(pair, tmp_path):
+    """serve, stopped with a client's keep-alive connection still open (the port's connections
+    left closing and in TIME_WAIT), then serve again on the same port at once: it starts."""
+    import http.client
+    target, draft = pair
+    port = free_port()
+    command = [sys.executable, "-m", "ikdflash.cli", "serve", "--target", str(target), "--draft", str(draft),
+               "-c", "512", "--port", str(port), "--log-file", str(tmp_path / "s.log")]
+    for _ in range(2):
+        process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+        try:
+            lines = []
+            while "ready at" not in (line := process.stderr.readline()):
+                lines.append(line)
+                assert line, "serve did not start: " + "".join(lines)
+            client = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            client.request("GET", "/health")
+            assert client.getresponse().read()
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=30) == 0
+            client.close()
+        finally:
+            process.kill()
+            process.wait()
+            process.stderr.close()
 
 
 def test_server_dying_on_start(pair, tmp_path):

@@ -62,6 +62,25 @@ def test_a_port_is_in_use_while_a_server_listens_and_free_after_it_stops(tiny_mo
         assert complete(url, "hello", max_tokens=2).raw["tokens_predicted"] == 2
 
 
+def test_a_port_held_without_a_listener_is_reported_as_in_use(tiny_model, tmp_path):
+    """Only a listener that answers is refused before the start (port_in_use); a port bound and
+    not listening fails llama-server's own bind, and that is reported as the busy port."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        assert not port_in_use("127.0.0.1", port)
+        with pytest.raises(ServerError, match=f"^port {port} on 127.0.0.1 is already in use; pick another"):
+            Server(tiny_model("llama"), port=port, ctx_size=256, n_threads=1, log_file=tmp_path / "s.log").start()
+
+
+def test_a_host_that_is_not_this_machines_is_not_a_busy_port(tiny_model):
+    """Before, the trial bind's failure on an address of another machine read "port ... is
+    already in use". 192.0.2.1 is reserved for documentation (RFC 5737)."""
+    assert not port_in_use("192.0.2.1", 8080)
+    with pytest.raises(ServerError, match="could not listen on 192.0.2.1:8080: Cannot assign requested address"):
+        Server(tiny_model("llama"), host="192.0.2.1", port=8080, ctx_size=256, n_threads=1).start()
+
+
 def test_server_dying_on_start_is_reported(tmp_path):
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\x00" * 64)

@@ -12,6 +12,7 @@ process group, waits a grace period, then SIGKILL.
 from __future__ import annotations
 
 import ctypes
+import errno
 import ipaddress
 import os
 import signal
@@ -49,23 +50,31 @@ def accepts_connections(host: str, port: int, timeout: float = 1.0) -> bool:
 
 
 def port_in_use(host: str, port: int) -> bool:
-    """Whether llama-server could not have the port to itself. Its socket library binds with
-    SO_REUSEPORT, so a second llama-server would share a port one already listens on (and take
-    half its connections): a listener that answers counts as in use. Connections an earlier
-    server left in TIME_WAIT do not, as llama-server's own bind goes through them."""
-    probe = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
-    if accepts_connections(probe, port):
-        return True
-    family = socket.AF_INET6 if ":" in probe else socket.AF_INET
+    """Whether something listens at the port: a connection answers. llama-server's socket library
+    binds with SO_REUSEPORT, so a second llama-server would bind a port one already listens on and
+    share it (taking half its connections); only a connection tells. Nothing else is guessed: a
+    trial bind beside the connection took a host that is no address of this machine for a port in
+    use, and could disagree with llama-server's own bind, whose failure Server.start explains
+    (bind_error)."""
+    return accepts_connections(_reachable(host), port)
+
+
+def _reachable(host: str) -> str:
+    """The address to connect to for a server bound to host (a wildcard: loopback)."""
+    return "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
+
+
+def bind_error(host: str, port: int) -> OSError | None:
+    """The error a bind as llama-server's (SO_REUSEPORT, where there is one) gets now, if any: once
+    the server has exited during start-up, why it could not listen."""
+    family = socket.AF_INET6 if ":" in _reachable(host) else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if hasattr(socket, "SO_REUSEPORT"):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_REUSEPORT", socket.SO_REUSEADDR), 1)
         try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
+            sock.bind((host.strip("[]"), port))
+        except OSError as e:
+            return e
+    return None
 
 
 def end_with(parent: int) -> Callable[[], None] | None:
@@ -231,6 +240,12 @@ class Server:
                 self.on_wait(time.monotonic() - start)
             code = self.process.poll()
             if code is not None:
+                error = bind_error(self.host, self.port)
+                if error is not None and error.errno == errno.EADDRINUSE:
+                    raise ServerError(f"port {self.port} on {self.host} is already in use; pick another or use port 0")
+                if error is not None:
+                    raise ServerError(f"llama-server could not listen on {self.host}:{self.port}: "
+                                      f"{error.strerror or error}")
                 raise ServerError(f"llama-server exited with code {code} during start-up{self._log_hint()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
