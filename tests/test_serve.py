@@ -220,7 +220,9 @@ def test_bench_writes_a_complete_table(pair, tmp_path):
     for r in data["rows"]:
         assert 0.0 <= r["sliding_acceptance"] <= 1.0 and r["no_draft_tps"] > 0 and r["sliding_tau"] >= 1.0
         assert r["sliding_spread"] == 0.0  # one round
-    assert "6/6" in out.stderr  # the progress bar reached the end
+        assert r["adaptive_tps"] > 0 and 0.0 <= r["adaptive_plain_share"] <= 1.0
+        assert r["adaptive_speedup"] == pytest.approx(r["adaptive_tps"] / r["no_draft_tps"])
+    assert "8/8" in out.stderr  # the progress bar reached the end: 4 modes x 2 lengths
 
 
 def test_bench_repeats_and_checks_every_output(pair, tmp_path, monkeypatch, capsys):

@@ -271,6 +271,7 @@ int dflash_costs_calibrate(dflash_costs * costs, llama_context * ctx) {
             llama_kv_cache_clear(ctx);
             const double t0 = now_ms();
             const int rc = llama_decode(ctx, batch);
+            llama_synchronize(ctx);  // a GPU backend may still be computing
             const double ms = now_ms() - t0;
             if (rc != 0) {
                 llama_batch_free(batch);

@@ -1,0 +1,143 @@
+"""The adaptive block length against every fixed n_max and the target alone, side by side.
+
+    python benchmarks/adaptive.py [--tokens 128] [--repeats 3] [--json out.json]
+
+Workloads, each generated greedily by one engine per pair, on 2 threads:
+
+    useless       the built-in SmolLM2 target with a draft of its shape and random weights
+                  (acceptance ~0): DFlash must not cost much here
+    built-in      the built-in pair (shipped draft) on chat questions
+    mixed         the built-in pair on requests that alternate between a chat question and
+                  copying a passage back, where a draft that reads the target's states can be right
+    always-right  the tiny pair of benchmarks/overhead.py (every draft accepted)
+
+For each workload: tokens/s of the target alone, of fixed n_max 1, 2, 3, 4, and of the adaptive
+block length with n_max 4 (which may choose any k in 0..4 each step), as ratios to the target
+alone; medians over --repeats rounds, the modes interleaved within each round. Every output
+must equal the target alone's (exit 1 otherwise). Also: the controller's own cost per step,
+through Python (an upper bound of its C++ cost), against a one-row target pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from ikdflash import Engine
+from ikdflash._core import BlockController
+from ikdflash.hub import DEFAULT_PAIR, resolve_pair
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from gguf_edit import rewrite  # noqa: E402  (the tests' GGUF rewriter)
+from overhead import always_right_pair  # noqa: E402
+
+SYSTEM = "You are a helpful assistant."
+QUESTIONS = ["Explain rainbows to a child.", "What is the capital of France, and why is it famous?",
+             "Give me three tips for learning to cook.", "Write a short poem about the sea."]
+PASSAGE = ("The river town was built where the water slows, and every spring the people watched the bridge, "
+           "counted the planks, and argued about whether this would be the year the flood took it away.")
+COPY = f"Repeat this text exactly, word for word:\n\n{PASSAGE}"
+FIXED = (1, 2, 3, 4)
+
+
+def noise_draft(like: Path, out: Path) -> Path:
+    """A draft with like's keys and shapes and seeded random weights (F32)."""
+    rng = np.random.default_rng(0)
+    tensors = {t.name: (0.02 * rng.standard_normal([int(n) for n in reversed(t.shape)])).astype(np.float32)
+               for t in gguf.GGUFReader(like).tensors}
+    return rewrite(like, out, tensors=tensors)
+
+
+def chat_prompts(engine: Engine, questions: list[str]) -> list[list[int]]:
+    return [engine.chat_tokens([("system", SYSTEM), ("user", q)]) for q in questions]
+
+
+def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, repeats: int) -> dict:
+    """tokens/s per mode (medians of rounds) and the adaptive mode's choices, for one pair."""
+    modes = ["alone"] + [f"fixed {k}" for k in FIXED] + ["adaptive"]
+    speeds: dict[str, list[float]] = {m: [] for m in modes}
+    plain_share, by_k = [], [0] * 5
+    with Engine(target, n_ctx=2048, n_threads=2) as plain, Engine(target, draft, n_ctx=2048, n_threads=2) as engine:
+        prompts = prompts_of(engine)
+        for r in range(repeats):
+            totals = {m: [0, 0.0] for m in modes}
+            for prompt in prompts:
+                alone = plain.generate(prompt, max_tokens=tokens)
+                outs = {"alone": alone,
+                        **{f"fixed {k}": engine.speculate(prompt, max_tokens=tokens, n_max=k, adaptive=False)
+                           for k in FIXED if k},
+                        "adaptive": engine.speculate(prompt, max_tokens=tokens, n_max=4)}
+                for mode, out in outs.items():
+                    if out.tokens != alone.tokens:
+                        sys.exit(f"{name}: {mode} turned from the target alone's output")
+                    totals[mode][0] += out.stats.generated
+                    totals[mode][1] += out.stats.draft_time + out.stats.verify_time
+                st = outs["adaptive"].stats
+                by_k = [a + b for a, b in zip(by_k, st.steps_by_verified, strict=True)]
+                plain_share.append(st.plain_share)
+            for mode in modes:
+                speeds[mode].append(totals[mode][0] / totals[mode][1])
+            print(f"  {name}: round {r + 1}/{repeats} done", file=sys.stderr)
+    tps = {m: statistics.median(v) for m, v in speeds.items()}
+    return {"tokens_per_second": tps, "ratio_to_alone": {m: tps[m] / tps["alone"] for m in modes},
+            "adaptive_steps_by_verified": by_k, "adaptive_plain_share": statistics.mean(plain_share)}
+
+
+def controller_cost(pass_ms: float) -> dict:
+    ctl = BlockController(4, [1.0, 1.09, 1.3, 1.6, 1.9], 0.7)
+    steps = 20000
+    t0 = time.perf_counter()
+    for i in range(steps):
+        n_draft, n_verify = ctl.plan(4)
+        if n_draft:
+            ctl.proposed([1, 2, 1, 2][:n_draft])
+        ctl.committed(n_verify, [1] if i % 3 else [1, 1])
+    us = 1e6 * (time.perf_counter() - t0) / steps
+    return {"us_per_step_through_python": us, "share_of_a_one_row_pass": us / 1e3 / pass_ms}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    target, draft = resolve_pair(DEFAULT_PAIR)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        useless = noise_draft(draft, folder / "noise.gguf")
+        tiny_target, tiny_draft = always_right_pair(folder)
+        workloads = {
+            "useless": (target, useless, lambda e: chat_prompts(e, QUESTIONS)),
+            "built-in": (target, draft, lambda e: chat_prompts(e, QUESTIONS)),
+            "mixed": (target, draft, lambda e: chat_prompts(e, [QUESTIONS[0], COPY, QUESTIONS[3], COPY])),
+            "always-right": (tiny_target, tiny_draft, lambda e: [[(i * 7919) % 250 for i in range(64)]]),
+        }
+        for name, (t, d, prompts_of) in workloads.items():
+            results[name] = run_workload(name, t, d, prompts_of, args.tokens, args.repeats)
+    alone = results["built-in"]["tokens_per_second"]["alone"]
+    results["controller"] = controller_cost(1e3 / alone)
+    modes = list(results["useless"]["ratio_to_alone"])
+    print(f"{'workload':>13} | " + " ".join(f"{m:>9}" for m in modes) + " | adaptive: k=0 share, steps by k")
+    for name in ("useless", "built-in", "mixed", "always-right"):
+        r = results[name]
+        print(f"{name:>13} | " + " ".join(f"{r['ratio_to_alone'][m]:>8.2f}x" for m in modes)
+              + f" | {r['adaptive_plain_share']:.0%}, {r['adaptive_steps_by_verified']}")
+    c = results["controller"]
+    print(f"controller: {c['us_per_step_through_python']:.1f} us a step through Python, "
+          f"{c['share_of_a_one_row_pass']:.2%} of a one-row SmolLM2 pass")
+    if args.json:
+        args.json.write_text(json.dumps({"tokens": args.tokens, "repeats": args.repeats, **results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
