@@ -67,6 +67,9 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
     plain_share, by_k = [], [0] * 5
     with Engine(target, n_ctx=2048, n_threads=2) as plain, Engine(target, draft, n_ctx=2048, n_threads=2) as engine:
         prompts = prompts_of(engine)
+        for prompt in prompts[:1]:  # warm-up: first passes page weights in and plan buffers
+            plain.generate(prompt, max_tokens=tokens)
+            engine.speculate(prompt, max_tokens=tokens, n_max=4)
         for r in range(repeats):
             totals = {m: [0, 0.0] for m in modes}
             for prompt in prompts:

@@ -10,20 +10,21 @@ def test_generate_prints_text_and_statistics(tiny_model, tiny_draft, capsys):
     draft = tiny_draft(target, target_layer_ids=[0, 2], layer_types=["sliding_attention", "full_attention"],
                        sliding_window=8)
     argv = ["generate", "--target", str(target), "--draft", str(draft), "--max-tokens", "12", "--threads", "2"]
-    assert main(argv + ["--compare", "the river town"]) == 0
+    assert main(argv + ["--no-adaptive", "the river town"]) == 0
     out = capsys.readouterr()
     assert out.out.strip()
     lines = out.err.strip().splitlines()
     assert lines[0].startswith("dflash: 12 tokens (length)") and "acceptance" in lines[0] and "tau" in lines[0]
-    assert lines[1].startswith("target alone: 12 tokens (length)") and "speed-up" in lines[1]
+    assert lines[1].startswith("target alone: 12 tokens (length)") and "x its speed" in lines[1]
     assert "outputs differ" not in lines[1]
 
     # the same text, cut before a stop string taken from it
     text = out.out.rstrip("\n")
     stop = text[len(text) // 2:len(text) // 2 + 3]
-    assert main(argv + ["--stop", stop, "the river town"]) == 0
+    assert main(argv + ["--stop", stop, "--no-compare", "the river town"]) == 0
     out = capsys.readouterr()
     assert out.out.rstrip("\n") == text[:text.find(stop)] and "(stop)" in out.err
+    assert "target alone" not in out.err
 
     assert main(argv + ["--raw", "   "]) == 2
     assert "the prompt is empty" in capsys.readouterr().err
@@ -143,3 +144,48 @@ def test_chat_drops_the_oldest_turns_and_ctrl_c_stops_a_reply(tiny_model, tiny_d
     assert "oldest exchange" in err and "no longer fit the context of 512 tokens" in err
     assert len([line for line in err.splitlines() if line.startswith("dflash: ")]) == 4
     assert "(stopped)" in err.splitlines()[-1] and "Traceback" not in err
+
+
+def test_generate_says_plainly_when_drafting_does_not_pay(tiny_model, tiny_draft, capsys, monkeypatch):
+    """Costs where no draft pays: every token is decoded one at a time, and the line says so."""
+    monkeypatch.setenv("IKDFLASH_COSTS", "50:1,5")
+    target = tiny_model("llama")
+    draft = tiny_draft(target, target_layer_ids=[0, 2], layer_types=["sliding_attention", "full_attention"],
+                       sliding_window=8)
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--max-tokens", "40", "--raw",
+                 "--n-max", "1", "the river town"]) == 0
+    dflash, alone = capsys.readouterr().err.strip().splitlines()
+    assert "39 of 40 tokens decoded one at a time" in dflash
+    assert alone.startswith("target alone: 40 tokens") and "x its speed" in alone
+
+
+def test_the_comparison_says_whether_drafting_paid():
+    from ikdflash.engine import SpeculationResult, SpeculationStats
+    from ikdflash.generate import comparison
+
+    def result(seconds: float, plain_steps: int = 0) -> SpeculationResult:
+        stats = SpeculationStats(prompt_tokens=5, generated=40, drafted=0, accepted=0, steps=39, prompt_time=0.0,
+                                 draft_time=0.0, verify_time=seconds, steps_by_verified=[plain_steps, 0])
+        return SpeculationResult(text="", tokens=[1] * 40, stats=stats)
+
+    slower = comparison(result(1.05, plain_steps=38), result(1.0))
+    assert "DFlash 0.95x its speed: drafting does not pay for this pair on this machine; the adaptive block " \
+           "length decoded 95% of the tokens without drafts" in slower
+    assert comparison(result(0.5), result(1.0)).endswith("DFlash 2.00x its speed")
+
+
+def test_the_built_in_pairs_chat_defaults_apply_unless_overridden():
+    import argparse
+
+    from ikdflash.generate import add_arguments, decoding_options, system_message
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    builtin = parser.parse_args(["hi"])
+    assert system_message(builtin) == "You are a helpful assistant."
+    assert decoding_options(builtin) == {"n_max": 4, "adaptive": True, "repeat_penalty": 1.1}
+    mine = parser.parse_args(["--repeat-penalty", "1.0", "--system", "Be brief.", "--no-adaptive", "hi"])
+    assert system_message(mine) == "Be brief." and decoding_options(mine)["repeat_penalty"] == 1.0
+    assert decoding_options(mine)["adaptive"] is False
+    files = parser.parse_args(["--target", "t.gguf", "--draft", "d.gguf", "hi"])
+    assert system_message(files) is None and decoding_options(files) == {"n_max": 4, "adaptive": True}

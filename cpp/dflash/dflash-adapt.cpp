@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <deque>
 #include <string>
@@ -27,8 +28,12 @@ constexpr double k_prior_weight = 1.0;
 // A new request starts from its sequence's last estimates at this weight.
 constexpr double k_carry_over = 0.5;
 // At k = 0 a probe (a draft step whose tokens are only compared, not verified) runs every
-// `interval` plain steps; a probe whose first token misses doubles the interval up to this.
-constexpr int k_max_probe_interval = 32;
+// `interval` plain steps. Each draft token 1 that misses doubles the interval and each that is
+// kept halves it: a draft kept a quarter of the time drifts to the longest interval, one that
+// turns right brings probes back to every step in a few. The longest interval keeps probes under
+// this share of plain decoding's time (a probe costs a draft step; 32 steps for SmolLM2's pair).
+constexpr double k_probe_budget = 0.02;
+constexpr int k_max_probe_interval = 256;
 // Pass costs follow the machine: running averages with these weights, and one observation moves
 // an estimate by at most this factor (a stall of the shared machine is not the new cost).
 constexpr double k_scale_weight = 0.1;
@@ -144,6 +149,14 @@ struct dflash_adapt {
     int since_probe = 0;                   // plain steps since the last probe
     dflash_adapt_stats stats{};
 
+    int longest_interval() const {
+        if (costs->draft_ms <= 0.0 || costs->scale_ms <= 0.0) {
+            return k_max_probe_interval;
+        }
+        const double steps = std::ceil(costs->draft_ms / (k_probe_budget * costs->pass_ms(1)));
+        return (int) std::clamp(steps, 1.0, (double) k_max_probe_interval);
+    }
+
     double acceptance(int j) const {  // P(token j kept | tokens before it kept), j = 1..n_max
         return (hits[j - 1] + k_prior_weight * k_prior_p) / (seen[j - 1] + k_prior_weight);
     }
@@ -192,7 +205,7 @@ struct dflash_adapt {
         hits[j - 1] = k_decay * hits[j - 1] + (kept ? 1.0 : 0.0);
         seen[j - 1] = k_decay * seen[j - 1] + 1.0;
         if (j == 1) {
-            probe_interval = kept ? 1 : std::min(2 * probe_interval, k_max_probe_interval);
+            probe_interval = kept ? std::max(1, probe_interval / 2) : std::min(2 * probe_interval, longest_interval());
         }
     }
 

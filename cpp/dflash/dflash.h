@@ -158,8 +158,9 @@ LLAMA_API void dflash_seq_restore_state(const dflash_seq * seq);
 // The draft proposes every token the step may verify (n_limit), and each proposed token is
 // compared with the token the target commits at its position, in that step or a later one: a
 // step verifying k < n_limit still measures the positions after k. At k = 0 an occasional probe
-// (a draft step whose tokens are compared, not verified; its interval doubles while the draft's
-// first token keeps missing, up to 32 steps) notices when the draft becomes right again.
+// (a draft step whose tokens are compared, not verified; its interval doubles with each miss of
+// the draft's first token, up to where probes cost 2% of plain decoding, and halves with each
+// hit) notices when the draft becomes right again.
 //
 // Usage, per step of a sequence (the draft's cross-context is fed by every target pass anyway):
 //   plan = dflash_adapt_plan_step(adapt, n_limit);      // n_limit: what block, budget, context allow

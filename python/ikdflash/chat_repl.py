@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ikdflash import pausepoint
 from ikdflash.engine import Engine
-from ikdflash.generate import summary
+from ikdflash.generate import add_decoding_arguments, decoding_options, summary, system_message
 from ikdflash.hub import HubError, add_model_arguments, resolve_models
 
 HISTORY = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ikdflash" / "chat_history"
@@ -29,9 +29,10 @@ HISTORY = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ikdf
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    parser.add_argument("--system", help="a system message that opens the conversation")
+    parser.add_argument("--system", help="a system message that opens the conversation (default: the built-in "
+                        "pair's plain one; else the template's own, if any)")
     parser.add_argument("--max-tokens", type=int, default=512, help="tokens per reply at most (default 512)")
-    parser.add_argument("--n-max", type=int, default=4, help="draft tokens per step (default 4)")
+    add_decoding_arguments(parser)
     parser.add_argument("-c", "--ctx-size", type=int, default=4096)
     parser.add_argument("--threads", type=int)
     parser.add_argument("--no-stats", action="store_true", help="no statistics line after each reply")
@@ -82,8 +83,11 @@ class Conversation:
 
 def reply(engine: Engine, tokens: list[int], args: argparse.Namespace) -> tuple[str, str]:
     """Stream one reply to stdout; (its text, the statistics line). Ctrl-C ends it early."""
-    n_max = args.n_max if engine.draft is not None else 0
-    stream = engine.stream(tokens, max_tokens=args.max_tokens, n_max=n_max)
+    options = decoding_options(args)
+    if engine.draft is None:
+        options["n_max"] = 0
+    n_max = options["n_max"]
+    stream = engine.stream(tokens, max_tokens=args.max_tokens, **options)
     stopped = False
     try:
         for n, piece in enumerate(stream):
@@ -114,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         enable_history()
         print(f"ikdflash chat: {target.name} with {draft.name}. Ctrl-C stops a reply, Ctrl-D or /exit leaves, "
               "/reset starts over.", file=sys.stderr)
-    conversation = Conversation(engine, args.system, args.max_tokens)
+    conversation = Conversation(engine, system_message(args), args.max_tokens)
     with engine:
         while True:
             try:

@@ -24,6 +24,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ikdflash import packaged
 
@@ -205,6 +206,26 @@ def resolve_pair(name: str, *, offline: bool = False) -> tuple[Path, Path]:
         raise HubError(f"unknown pair '{name}' ({known_pairs_text()})")
     return (resolve(pairs[name]["target"], role="target", offline=offline),
             resolve(pairs[name]["draft"], role="draft", offline=offline))
+
+
+# What `generate` and `chat` use with a built-in pair unless told otherwise. SmolLM2-135M-Instruct's
+# template opens with its own system prompt, after which it ends most first answers at once, and
+# greedy decoding loops ("They're also like little stars...") without a repetition penalty.
+PAIR_CHAT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "smollm2-135m-swa": {"system": "You are a helpful assistant.", "repeat_penalty": 1.1},
+}
+
+
+def chat_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """The chat defaults (system, sampling keywords) of the pair add_model_arguments' options
+    name: --pair, or the default pair when no model is given; none for models given by file."""
+    if args.pair is not None:
+        name = args.pair
+    elif args.target is None and args.draft is None:
+        name = DEFAULT_PAIR
+    else:
+        return {}
+    return dict(PAIR_CHAT_DEFAULTS.get(name, {}))
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
