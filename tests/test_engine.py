@@ -204,7 +204,7 @@ target, draft, prompt = sys.argv[1:]
 with Engine(target, draft, n_ctx=512, n_threads=2) as engine:
     try:
         engine.speculate(prompt, max_tokens=24)
-    except ValueError as e:  # as every failure of the native generate loop
+    except RuntimeError as e:  # a failure of the run, not of the arguments (those are ValueError)
         print("raised:", e)
     print("then:", engine.speculate(prompt, max_tokens=24).tokens)
     print("alone:", engine.generate(prompt, max_tokens=24).tokens)

@@ -386,7 +386,11 @@ public:
             std::rethrow_exception(callback.error);
         }
         if (n < 0) {
-            throw py::value_error(dflash_last_error());
+            // bad arguments are the caller's ValueError; a failed decode or capture is the run's
+            if (dflash_last_error_is_argument()) {
+                throw py::value_error(dflash_last_error());
+            }
+            throw std::runtime_error(dflash_last_error());
         }
         out.resize(n);
         py::dict st;

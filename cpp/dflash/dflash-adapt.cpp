@@ -14,6 +14,7 @@
 #include <vector>
 
 using dflash_impl::fail;
+using dflash_impl::fail_argument;
 using dflash_impl::guarded;
 
 namespace {
@@ -123,7 +124,7 @@ struct dflash_costs {
             at = comma + 1;
         }
         if (draft == 0.0 || ms.empty() || std::find(ms.begin(), ms.end(), 0.0) != ms.end()) {
-            fail("IKDFLASH_COSTS='%s' is not draft_ms:pass_ms_1,pass_ms_2,... (positive numbers)", text);
+            fail_argument("IKDFLASH_COSTS='%s' is not draft_ms:pass_ms_1,pass_ms_2,... (positive numbers)", text);
         }
         ms.resize(max_rows, ms.back());
         set_passes(ms.data());

@@ -884,6 +884,8 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
 
 const char * dflash_last_error(void) { return dflash_impl::last_error.c_str(); }
 
+bool dflash_last_error_is_argument(void) { return dflash_impl::last_error_is_argument; }
+
 dflash_draft_params dflash_draft_default_params(void) {
     return {/*n_threads=*/(int32_t) std::max(1u, std::thread::hardware_concurrency()), /*n_gpu_layers=*/-1};
 }

@@ -21,6 +21,7 @@
 #include <vector>
 
 using dflash_impl::fail;
+using dflash_impl::fail_argument;
 using dflash_impl::guarded;
 
 namespace {
@@ -244,8 +245,13 @@ struct dflash_engine {
         if (adaptive && costs == nullptr) {
             costs.reset(dflash_costs_init(dflash_draft_block_size(draft)));
             if (costs == nullptr || dflash_costs_calibrate(costs.get(), ctx) != 0) {
+                const bool argument = dflash_last_error_is_argument();
+                const std::string why = dflash_last_error();
                 costs.reset();
-                fail("timing the target's passes failed: %s", dflash_last_error());
+                if (argument) {
+                    fail_argument("%s", why.c_str());
+                }
+                fail("timing the target's passes failed: %s", why.c_str());
             }
         }
         if (adapt == nullptr || adapt_n_max != n_max || adapt_fixed != !adaptive) {
@@ -489,19 +495,19 @@ int dflash_engine::generate(const llama_token * prompt, int n_prompt, int max_to
                             int32_t * step_lengths, dflash_logprobs * logprobs) {
     const int n_ctx = (int) llama_n_ctx(ctx);
     if (n_prompt < 1) {
-        fail("the prompt is empty");
+        fail_argument("the prompt is empty");
     }
     if (n_prompt >= n_ctx) {
-        fail("the prompt has %d tokens but the context holds %d", n_prompt, n_ctx);
+        fail_argument("the prompt has %d tokens but the context holds %d", n_prompt, n_ctx);
     }
     if (n_max < 0) {
-        fail("n_max must be >= 0, got %d", n_max);
+        fail_argument("n_max must be >= 0, got %d", n_max);
     }
     if (n_max > 0 && draft == nullptr) {
-        fail("n_max %d needs a draft model", n_max);
+        fail_argument("n_max %d needs a draft model", n_max);
     }
     if (draft != nullptr && dflash_draft_block_size(draft) > (int) llama_n_batch(ctx)) {
-        fail("the target's n_batch %d is smaller than the draft's block", (int) llama_n_batch(ctx));
+        fail_argument("the target's n_batch %d is smaller than the draft's block", (int) llama_n_batch(ctx));
     }
     generation g(*this, max_tokens, sampling, out, st, step_lengths, logprobs);
     if (draft != nullptr) {

@@ -24,6 +24,9 @@ struct dflash_cache;  // the cross-context: per draft layer, projected K/V of co
 
 // The reason for the last failure on this thread ("" if none).
 LLAMA_API const char * dflash_last_error(void);
+// Whether the caller's arguments caused it (an empty prompt, a bad n_max, a malformed IKDFLASH_COSTS),
+// rather than the run (a failed decode or capture).
+LLAMA_API bool dflash_last_error_is_argument(void);
 
 struct dflash_draft_params {
     int32_t n_threads;     // CPU threads for the parts that run on the CPU

@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
                       f"of {engine.target.n_ctx} tokens and were dropped)", file=sys.stderr)
             try:
                 answer, stats = reply(engine, tokens, args)
-            except ValueError as e:  # e.g. one message longer than the context
+            except (ValueError, RuntimeError) as e:  # one message longer than the context; a failed decode
                 print(f"ikdflash chat: error: {e}", file=sys.stderr)
                 conversation.turns.pop()
                 continue

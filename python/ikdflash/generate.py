@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
                 with Engine(target, n_ctx=args.ctx_size, n_threads=args.threads) as alone:  # no draft to feed
                     plain = alone.generate(tokens, max_tokens=args.max_tokens, stop=args.stop or (), **options)
                 print(comparison(out, plain), file=sys.stderr)
-    except (HubError, FileNotFoundError, ValueError) as e:
+    except (HubError, FileNotFoundError, ValueError, RuntimeError) as e:  # RuntimeError: a failed decode
         print(f"ikdflash generate: error: {e}", file=sys.stderr)
         return 2
     return 0
