@@ -30,14 +30,14 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-
 from ikdflash import Engine
 from ikdflash._core import BlockController
 from ikdflash.hub import DEFAULT_PAIR, resolve_pair
 
+# the tests' GGUF rewriter; overhead.py's always-right pair is beside this script
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from gguf_edit import rewrite  # noqa: E402  (the tests' GGUF rewriter)
-from overhead import always_right_pair  # noqa: E402
+from gguf_edit import rewrite
+from overhead import always_right_pair
 
 SYSTEM = "You are a helpful assistant."
 QUESTIONS = ["Explain rainbows to a child.", "What is the capital of France, and why is it famous?",

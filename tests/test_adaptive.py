@@ -7,7 +7,6 @@ IKDFLASH_COSTS ("draft_ms:pass_ms_1,pass_ms_2,...") so that they are the same on
 from __future__ import annotations
 
 import pytest
-
 from ikdflash import Engine
 from ikdflash._core import BlockController
 
@@ -99,10 +98,10 @@ def test_a_new_request_forgets_its_statistics_but_not_what_it_learnt():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(n_max=-1, pass_ms=[1.0], draft_ms=1.0), "n_max must be in 0..63"),
-    (dict(n_max=2, pass_ms=[1.0, 1.0], draft_ms=1.0), "1..3 rows"),
-    (dict(n_max=1, pass_ms=[1.0, -1.0], draft_ms=1.0), "must be positive"),
-    (dict(n_max=1, pass_ms=[1.0, 1.0], draft_ms=0.0), "draft_ms must be positive"),
+    ({"n_max": -1, "pass_ms": [1.0], "draft_ms": 1.0}, "n_max must be in 0..63"),
+    ({"n_max": 2, "pass_ms": [1.0, 1.0], "draft_ms": 1.0}, "1..3 rows"),
+    ({"n_max": 1, "pass_ms": [1.0, -1.0], "draft_ms": 1.0}, "must be positive"),
+    ({"n_max": 1, "pass_ms": [1.0, 1.0], "draft_ms": 0.0}, "draft_ms must be positive"),
 ])
 def test_bad_controller_values_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
