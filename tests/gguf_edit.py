@@ -49,7 +49,9 @@ def rewrite(src: Path, dst: Path, *, arch: str | None = None, fields: Mapping[st
         if name in replaced:
             writer.add_tensor(name, replaced.pop(name).astype(np.float32))
             continue
-        shape = [int(n) for n in reversed(tensor.shape)]
+        # a quantized tensor's data comes as bytes per row, which the writer reads its shape from
+        block_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type][0]
+        shape = None if block_size > 1 else [int(n) for n in reversed(tensor.shape)]
         writer.add_tensor(name, np.asarray(tensor.data), raw_shape=shape, raw_dtype=tensor.tensor_type)
     for name, data in replaced.items():
         writer.add_tensor(name, data.astype(np.float32))
