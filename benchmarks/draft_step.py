@@ -55,7 +55,7 @@ def main() -> None:
                        for mode in times}
             for _ in range(args.repeats):
                 for mode, engine in engines.items():
-                    st = engine.speculate(prompt, max_tokens=args.max_tokens, n_max=15).stats
+                    st = engine.speculate(prompt, max_tokens=args.max_tokens, n_max=15, adaptive=False).stats
                     times[mode].append(st.draft_time / st.steps * 1e3)
             for engine in engines.values():
                 engine.close()

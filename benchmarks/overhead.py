@@ -65,13 +65,13 @@ def main() -> None:
         body = {"prompt": prompt, "n_predict": args.tokens, "temperature": 0, "ignore_eos": True,
                 "cache_prompt": False}
         with Server(target, ctx_size=1024, n_threads=args.threads, log_file=Path(tmp) / "server.log",
-                    extra_args=["--model-draft", str(draft), "--spec-type", SpecType(n_max=N_MAX).flag(),
+                    extra_args=["--model-draft", str(draft), "--spec-type", SpecType(n_max=N_MAX, adaptive=False).flag(),
                                 "-ngl", str(args.gpu_layers)]) as url:
             post_json(url + "/completion", body)  # warm-up
-            engine.speculate(prompt, max_tokens=args.tokens, n_max=N_MAX)
+            engine.speculate(prompt, max_tokens=args.tokens, n_max=N_MAX, adaptive=False)
             for _ in range(args.repeats):
                 start = time.perf_counter()
-                st = engine.speculate(prompt, max_tokens=args.tokens, n_max=N_MAX).stats
+                st = engine.speculate(prompt, max_tokens=args.tokens, n_max=N_MAX, adaptive=False).stats
                 decoding = time.perf_counter() - start - st.prompt_time
                 runs["tau"].append(st.generated / st.steps)
                 runs["draft_ms"].append(st.draft_time / st.steps * 1e3)

@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     target, draft = resolve_pair(DEFAULT_PAIR)
-    spec = ["--model-draft", str(draft), "--spec-type", SpecType(n_max=4).flag()]
+    spec = ["--model-draft", str(draft), "--spec-type", SpecType(n_max=4, adaptive=False).flag()]
     template = chat_template(target)
     totals = {p: {"path": [0, 0], "fresh": [0, 0], "same_text": 0, "n": 0} for p in args.paths}
     with Model(target, n_ctx=2048, n_threads=2) as model, tempfile.TemporaryDirectory() as tmp:

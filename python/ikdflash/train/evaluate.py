@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from collections.abc import Sequence
 
 from ikdflash.engine import Engine
 
@@ -33,16 +33,16 @@ class Acceptance:
 
 
 def measure_acceptance(target: str | os.PathLike[str], draft: str | os.PathLike[str], prompts: Sequence[Sequence[int]],
-                       *, n_max: int = 4, max_tokens: int = 128, n_ctx: int = 4096, full_attention: bool = False,
-                       n_threads: int | None = None,
-                       on_prompt: Callable[[int, int], None] | None = None) -> Acceptance:
-    """Greedy speculation over each prompt; per-position acceptance from each step's length."""
+                       *, n_max: int = 4, max_tokens: int = 128, n_ctx: int = 4096,
+                       n_threads: int | None = None) -> Acceptance:
+    """Greedy speculation over each prompt, n_max drafts verified every step (the fixed block
+    length: the draft's own acceptance); per-position acceptance from each step's length."""
     hits = [0] * n_max
     steps = drafted = accepted = generated = 0
     busy = 0.0
-    with Engine(target, draft, n_ctx=n_ctx, full_attention=full_attention, n_threads=n_threads) as engine:
-        for i, prompt in enumerate(prompts):
-            stats = engine.speculate(list(prompt), max_tokens=max_tokens, n_max=n_max).stats
+    with Engine(target, draft, n_ctx=n_ctx, n_threads=n_threads) as engine:
+        for prompt in prompts:
+            stats = engine.speculate(list(prompt), max_tokens=max_tokens, n_max=n_max, adaptive=False).stats
             assert stats is not None
             steps += stats.steps
             drafted += stats.drafted
@@ -52,8 +52,6 @@ def measure_acceptance(target: str | os.PathLike[str], draft: str | os.PathLike[
             for length in stats.step_lengths:
                 for j in range(min(length - 1, n_max)):
                     hits[j] += 1
-            if on_prompt:
-                on_prompt(i + 1, len(prompts))
     return Acceptance(prompts=len(prompts), steps=steps, drafted=drafted, accepted=accepted, generated=generated,
                       tokens_per_second=generated / busy if busy else 0.0,
                       per_position=[h / steps if steps else 0.0 for h in hits])
