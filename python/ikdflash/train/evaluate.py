@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 
 from ikdflash.engine import Engine
 
