@@ -1,6 +1,6 @@
 """Training data for a draft: token sequences, the target's features and its greedy next tokens.
 
-Every row comes from the fork itself (`Model.layer_features`, the capture the speculative loop
+Every row comes from the fork itself (`_core.Model.layer_features`, the capture the speculative loop
 uses), so the draft learns the features it will be given. Two kinds of sequence:
 
   corpus     a whole conversation rendered with the target's chat template; one target pass
