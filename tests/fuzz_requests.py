@@ -799,7 +799,19 @@ class Harness:
 
     def stop(self) -> int | None:
         server, self.server = self.server, None
-        return server.stop() if server else None
+        if server is None:
+            return None
+        group = server.process.pid if server.process is not None else None
+        code = server.stop()
+        if group is not None:
+            # an abort forks a child to print a backtrace (ggml_print_backtrace); without gdb it
+            # calls exit(), which deadlocks in a static destructor: the child outlives the server
+            # that Server.stop() found already gone. It is in the server's process group.
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return code
 
     def restart(self) -> None:
         self.stop()
