@@ -32,6 +32,14 @@ def test_generate_prints_text_and_statistics(tiny_model, tiny_draft, capsys):
     assert "missing.gguf" in capsys.readouterr().err
 
 
+def as_at_a_terminal() -> None:
+    """Popen's preexec_fn: SIGINT back to its default, so that Python turns it into
+    KeyboardInterrupt as at a terminal. A shell's background job (a CI script run with &, nohup)
+    ignores SIGINT, its children inherit that, and Python then installs no handler."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def paused(process, point: str, seen: list[str]) -> None:
     """Read the command's stderr (into seen) until it says it waits at point (its environment's
     IKDFLASH_TEST_PAUSE, python/ikdflash/pausepoint.py): then a signal reaches it there."""
@@ -62,7 +70,8 @@ def test_ctrl_c_ends_a_command_with_one_line(tiny_model, tmp_path):
     draft = write_tiny_draft(tmp_path / "d", hf, target_layer_ids=[0])
     process = subprocess.Popen([sys.executable, "-m", "ikdflash.cli", "convert", str(draft), "--target-model-dir",
                                 str(hf), "--outtype", "q8_0", "--outfile", str(tmp_path / "out.gguf")],
-                               stderr=subprocess.PIPE, text=True, env={**os.environ, "IKDFLASH_TEST_PAUSE": "convert@2"})
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "IKDFLASH_TEST_PAUSE": "convert@2"},
+                               preexec_fn=as_at_a_terminal)
     seen: list[str] = []
     paused(process, "convert@2", seen)
     assert seen[0].startswith("[1/") and seen[1].startswith("[2/") and not seen[1].startswith("[2/2]")
@@ -84,7 +93,7 @@ def test_ctrl_c_ends_a_generation_after_its_current_step(tiny_model, tiny_draft)
     process = subprocess.Popen(["ikdflash", "generate", "--target", str(target), "--draft", str(draft), "--raw",
                                 "-c", "8192", "--max-tokens", "6000", "--threads", "2", "the river town"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "IKDFLASH_TEST_PAUSE": "reply@1"})
+                               env={**os.environ, "IKDFLASH_TEST_PAUSE": "reply@1"}, preexec_fn=as_at_a_terminal)
     try:
         paused(process, "reply@1", [])
         process.send_signal(signal.SIGINT)
@@ -131,7 +140,8 @@ def test_chat_drops_the_oldest_turns_and_ctrl_c_stops_a_reply(tiny_model, tiny_d
     with open(tmp_path / "in") as lines:
         proc = subprocess.Popen(["ikdflash", "chat", "--target", str(target), "--draft", str(draft), "-c", "512",
                                  "--max-tokens", "400", "--threads", "2"], stdin=lines, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, env={**os.environ, "IKDFLASH_TEST_PAUSE": "reply@4"})
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, "IKDFLASH_TEST_PAUSE": "reply@4"},
+                                preexec_fn=as_at_a_terminal)
     try:
         seen: list[str] = []
         paused(proc, "reply@4", seen)
