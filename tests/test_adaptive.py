@@ -88,13 +88,58 @@ def test_fixed_mode_always_verifies_the_limit():
 
 
 def test_a_new_request_forgets_its_statistics_but_not_what_it_learnt():
+    kept, renewed = BlockController(4, CPU_PASSES, CPU_DRAFT), BlockController(4, CPU_PASSES, CPU_DRAFT)
+    for ctl in (kept, renewed):
+        run_steps(ctl, 50, lambda step: False)
+    before = renewed.acceptance()
+    renewed.reset()
+    assert renewed.stats() == {"steps_by_verified": [0] * 5, "n_probes": 0}
+    assert renewed.acceptance() == pytest.approx(before)
+    # ... at half weight: the new request's first observation (draft token 1 kept) moves it further
+    for ctl in (kept, renewed):
+        ctl.proposed([1])
+        ctl.committed(0, [1])
+    assert renewed.acceptance()[0] > kept.acceptance()[0] > before[0]
+
+
+def test_an_estimate_reaches_one_for_a_draft_that_is_always_right():
+    """The prior is discounted like an observation (down to a hundredth of one): a draft that is
+    always right is not held below n_max by a prior that never fades (0.955 per position, 0.83
+    over four)."""
+    ctl = BlockController(4, GPU_PASSES, GPU_DRAFT)
+    run_steps(ctl, 100, lambda step: True)
+    assert min(ctl.acceptance()) > 0.999, ctl.acceptance()  # 0.9995 with the prior's floor
+
+
+def test_a_step_proposes_one_token_past_those_it_verifies_and_a_probe_one():
+    """Position k + 1 stays measured (so the controller sees when a longer block pays); a probe
+    only asks whether the first draft token is right, which is what decides drafting at all."""
     ctl = BlockController(4, CPU_PASSES, CPU_DRAFT)
-    run_steps(ctl, 50, lambda step: False)
-    before = ctl.acceptance()
-    ctl.reset()
-    assert ctl.stats() == {"steps_by_verified": [0] * 5, "n_probes": 0}
-    assert ctl.acceptance()[0] > before[0]  # pulled halfway back towards the prior
-    assert ctl.acceptance()[0] < 0.5
+    plans = []
+    for step in range(200):
+        n_draft, n_verify = ctl.plan(4)
+        plans.append((n_draft, n_verify))
+        proposal = [1 if step % 10 else 2] + [2] * (n_draft - 1) if n_draft else []
+        if n_draft:
+            ctl.proposed(proposal)
+        accepted = int(n_verify > 0 and proposal[0] == 1)
+        ctl.committed(n_verify, [1] * (accepted + 1))
+    assert all(d == min(v + 1, 4) for d, v in plans if v > 0), plans
+    useless = BlockController(4, CPU_PASSES, CPU_DRAFT)
+    run_steps(useless, 100, lambda step: False)
+    assert useless.plan(4) in ((0, 0), (1, 0))
+    assert all(useless.plan(4) in ((0, 0), (1, 0)) for _ in range(100))
+
+
+def test_the_draft_cost_of_the_tokens_proposed_decides():
+    """An always-right draft on cheap passes: at a flat draft cost the controller verifies n_max,
+    where each token proposed makes the draft step dearer (its head runs on that many rows) it
+    stays at one draft, the best rate (2 tokens for 0.5 + 1.05)."""
+    passes = [1.0, 1.05, 1.1, 1.15, 1.2]
+    flat = BlockController(4, passes, 0.3)
+    steep = BlockController(4, passes, [0.3, 0.5, 1.5, 3.0])
+    assert set(run_steps(flat, 40, lambda step: True)[10:]) == {4}
+    assert set(run_steps(steep, 40, lambda step: True)[10:]) == {1}
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -102,6 +147,7 @@ def test_a_new_request_forgets_its_statistics_but_not_what_it_learnt():
     ({"n_max": 2, "pass_ms": [1.0, 1.0], "draft_ms": 1.0}, "1..3 rows"),
     ({"n_max": 1, "pass_ms": [1.0, -1.0], "draft_ms": 1.0}, "must be positive"),
     ({"n_max": 1, "pass_ms": [1.0, 1.0], "draft_ms": 0.0}, "draft_ms must be positive"),
+    ({"n_max": 2, "pass_ms": [1.0, 1.0, 1.0], "draft_ms": [1.0, 1.0, 1.0]}, "1..2 tokens, got 3"),
 ])
 def test_bad_controller_values_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -148,14 +148,23 @@ def test_truncating_the_cross_context(target, drafts, cross_ctx):
     again, _ = draft.forward(rows, pos, 65, 30, cross_ctx=cross_ctx, truncate_at=26,
                              then_features=rows[26:], then_positions=pos[26:])
     np.testing.assert_allclose(again, whole, rtol=1e-5, atol=1e-5)
-    # dropped only: every layer holds what it would hold had the rows stopped at 25 (of the
-    # newest cross_ctx rows, which are all the cache ever keeps)
-    oldest_held = max(0, 30 - cross_ctx)
+    # dropped only: every layer holds what it would hold had the rows stopped at 25. The rows
+    # are still pending (appends are projected at the next step), so the cut reaches back to the
+    # newest cross_ctx rows before 26; cut after a step, rows older than the newest cross_ctx
+    # appended are gone (below)
+    oldest_held = max(0, 26 - cross_ctx)
     for start in (26, 30):
         kept, _ = draft.forward(rows[oldest_held:26], pos[oldest_held:26], 65, start, cross_ctx=cross_ctx)
         cut, _ = draft.forward(rows, pos, 65, start, cross_ctx=cross_ctx, truncate_at=26)
         np.testing.assert_allclose(cut, kept, rtol=1e-5, atol=1e-5)
     assert not np.allclose(cut, whole)
+    cache = _core.CrossContext(draft, cross_ctx)
+    cache.append(rows, pos)
+    cache.step(65, 30)  # projects the 30 rows: the history keeps the newest cross_ctx
+    cache.truncate(26)
+    held = _core.CrossContext(draft, cross_ctx)
+    held.append(rows[max(0, 30 - cross_ctx):26], pos[max(0, 30 - cross_ctx):26])
+    np.testing.assert_allclose(cache.step(65, 26)[0], held.step(65, 26)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_a_long_append_keeps_the_newest_rows(target, drafts):

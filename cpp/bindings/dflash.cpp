@@ -193,10 +193,13 @@ public:
 
     py::bytes state() {
         std::string bytes;
-        draft_.exclusive([&] {
+        const size_t written = draft_.exclusive([&] {
             bytes.resize(dflash_cache_state_size(cache_));
-            dflash_cache_state_get(cache_, (uint8_t *) bytes.data(), bytes.size());
+            return dflash_cache_state_get(cache_, (uint8_t *) bytes.data(), bytes.size());
         });
+        if (written == 0) {
+            throw std::runtime_error(dflash_last_error());
+        }
         return py::bytes(bytes);
     }
 
@@ -269,7 +272,9 @@ std::vector<int64_t> steps_by_verified(const dflash_adapt_stats & stats, int n_m
 // acceptance patterns of their own. adaptive = false: the fixed block length.
 class BlockController {
 public:
-    BlockController(int n_max, const std::vector<double> & pass_ms, double draft_ms, bool adaptive) : n_max_(n_max) {
+    // draft_ms: a draft step's time for 1..n_max tokens proposed (one figure: the same for all).
+    BlockController(int n_max, const std::vector<double> & pass_ms, const std::vector<double> & draft_ms,
+                    bool adaptive) : n_max_(n_max) {
         if (n_max < 0 || n_max > DFLASH_MAX_VERIFY) {
             throw py::value_error("n_max must be in 0.." + std::to_string(DFLASH_MAX_VERIFY) + ", got " +
                                   std::to_string(n_max));
@@ -278,14 +283,22 @@ public:
             throw py::value_error("pass_ms needs the times of passes of 1.." + std::to_string(n_max + 1) +
                                   " rows, got " + std::to_string(pass_ms.size()));
         }
-        if (!(draft_ms > 0.0)) {
-            throw py::value_error("draft_ms must be positive, got " + std::to_string(draft_ms));
+        if (draft_ms.size() != 1 && (int) draft_ms.size() != n_max) {
+            throw py::value_error("draft_ms needs one time, or the times of steps proposing 1.." +
+                                  std::to_string(n_max) + " tokens, got " + std::to_string(draft_ms.size()));
+        }
+        for (double ms : draft_ms) {
+            if (!(ms > 0.0)) {
+                throw py::value_error("draft_ms must be positive, got " + std::to_string(ms));
+            }
         }
         costs_.reset(dflash_costs_init(n_max + 1));
         if (dflash_costs_set_passes(costs_.get(), pass_ms.data()) != 0) {
             throw py::value_error(dflash_last_error());
         }
-        dflash_costs_observe_draft(costs_.get(), draft_ms);
+        for (int n = 1; n <= n_max; ++n) {
+            dflash_costs_observe_draft(costs_.get(), n, draft_ms[draft_ms.size() == 1 ? 0 : n - 1]);
+        }
         adapt_.reset(dflash_adapt_init(adaptive ? costs_.get() : nullptr, n_max));
     }
 
@@ -566,8 +579,11 @@ void bind_dflash(py::module_ & m) {
         .def("n_rows", &CrossContext::n_rows)
         .def("step", &CrossContext::step, py::arg("first_token"), py::arg("start"));
     py::class_<BlockController>(m, "BlockController")
-        .def(py::init<int, const std::vector<double> &, double, bool>(), py::arg("n_max"), py::arg("pass_ms"),
-             py::arg("draft_ms"), py::arg("adaptive") = true)
+        .def(py::init<int, const std::vector<double> &, const std::vector<double> &, bool>(), py::arg("n_max"),
+             py::arg("pass_ms"), py::arg("draft_ms"), py::arg("adaptive") = true)
+        .def(py::init([](int n_max, const std::vector<double> & pass_ms, double draft_ms, bool adaptive) {
+                 return BlockController(n_max, pass_ms, std::vector<double>{draft_ms}, adaptive);
+             }), py::arg("n_max"), py::arg("pass_ms"), py::arg("draft_ms"), py::arg("adaptive") = true)
         .def("plan", &BlockController::plan, py::arg("n_limit"))
         .def("proposed", &BlockController::proposed, py::arg("tokens"))
         .def("committed", &BlockController::committed, py::arg("n_verified"), py::arg("tokens"))

@@ -23,16 +23,20 @@ namespace {
 // this factor, so an estimate follows roughly the last 1 / (1 - k_decay) observations: quick
 // enough to follow prose turning into a quoted passage, slow enough to ride out single misses.
 constexpr double k_decay = 0.9;
-// What a position's estimate is before it has been seen (a coin flip, worth one observation).
+// What a position's estimate is before it has been seen: a coin flip, worth one observation, and
+// discounted like one down to a hundredth of one, so a draft that is always right reaches 0.9995
+// (a prior that kept its weight would hold p_j under 0.96, and the product over 4 positions under
+// 0.84) and one that is never right stays above 0.0005 (a free draft step still pays).
 constexpr double k_prior_p = 0.5;
 constexpr double k_prior_weight = 1.0;
+constexpr double k_prior_floor = 0.01;
 // A new request starts from its sequence's last estimates at this weight.
 constexpr double k_carry_over = 0.5;
 // At k = 0 a probe (a draft step whose tokens are only compared, not verified) runs every
 // `interval` plain steps. Each draft token 1 that misses doubles the interval and each that is
 // kept halves it: a draft kept a quarter of the time drifts to the longest interval, one that
 // turns right brings probes back to every step in a few. The longest interval keeps probes under
-// this share of plain decoding's time (a probe costs a draft step; 32 steps for SmolLM2's pair).
+// this share of plain decoding's time (a probe drafts one token; 18 steps for SmolLM2's pair).
 constexpr double k_probe_budget = 0.02;
 constexpr int k_max_probe_interval = 256;
 // Pass costs follow the machine: running averages with these weights, and one observation moves
@@ -58,12 +62,30 @@ double clamped(double value, double estimate) {
 // one row instead of a stale absolute time.
 struct dflash_costs {
     int max_rows = 0;
-    std::vector<double> shape;  // [r], r = 1..max_rows; [0] unused
-    double scale_ms = 0.0;      // t_pass(1); 0 until measured
-    double draft_ms = 0.0;      // one draft step; 0 until measured
-    bool frozen = false;        // set by IKDFLASH_COSTS: observations are ignored
+    std::vector<double> shape;     // [r], r = 1..max_rows; [0] unused
+    double scale_ms = 0.0;         // t_pass(1); 0 until measured
+    std::vector<double> draft_ms;  // [n]: a draft step proposing n tokens; 0 until measured
+    bool frozen = false;           // set by IKDFLASH_COSTS: observations are ignored
 
     double pass_ms(int rows) const { return scale_ms * shape[std::clamp(rows, 1, max_rows)]; }
+
+    // A step proposing n tokens runs the draft's head on n rows, which for a large vocabulary costs
+    // more than its layers (SmolLM2's pair: 2.1 ms for 1 token, 3.2 ms for 4). A count not yet seen
+    // costs what the nearest larger one seen does (never an underestimate), else the nearest smaller.
+    double draft_cost(int n) const {
+        n = std::clamp(n, 1, (int) draft_ms.size() - 1);
+        for (int m = n; m < (int) draft_ms.size(); ++m) {
+            if (draft_ms[m] > 0.0) {
+                return draft_ms[m];
+            }
+        }
+        for (int m = n - 1; m >= 1; --m) {
+            if (draft_ms[m] > 0.0) {
+                return draft_ms[m];
+            }
+        }
+        return 0.0;
+    }
 
     void observe_pass(int rows, double ms) {
         if (frozen || rows < 1 || rows > max_rows || !(ms > 0.0)) {
@@ -80,11 +102,12 @@ struct dflash_costs {
         }
     }
 
-    void observe_draft(double ms) {
-        if (frozen || !(ms > 0.0)) {
+    void observe_draft(int n, double ms) {
+        if (frozen || n < 1 || n >= (int) draft_ms.size() || !(ms > 0.0)) {
             return;
         }
-        draft_ms = draft_ms <= 0.0 ? ms : draft_ms + k_scale_weight * (clamped(ms, draft_ms) - draft_ms);
+        double & est = draft_ms[n];
+        est = est <= 0.0 ? ms : est + k_scale_weight * (clamped(ms, est) - est);
     }
 
     // Pass times for 1..max_rows rows: a larger pass is never cheaper than a smaller one.
@@ -128,19 +151,22 @@ struct dflash_costs {
         }
         ms.resize(max_rows, ms.back());
         set_passes(ms.data());
-        draft_ms = draft;
+        std::fill(draft_ms.begin() + 1, draft_ms.end(), draft);
         frozen = true;
         return true;
     }
 };
 
 // One sequence's controller. Every proposal stays pending until the target has committed a token
-// at each of its positions or one differs: so a step that verifies k tokens still measures the
-// positions after k (against the target's later tokens), and an unverified probe measures all.
+// at each of its positions or one differs. A step verifying k drafts proposes k + 1, so the
+// position after k stays measured (against the target's own token, or a later one) and the
+// controller sees when a longer block would pay; a probe proposes one token, which is what
+// decides whether drafting at all pays.
 struct dflash_adapt {
     const dflash_costs * costs = nullptr;  // null: fixed block length
     int n_max = 0;
     std::vector<double> hits, seen;        // per draft position j (index j - 1), discounted counts
+    std::vector<double> prior;             // the prior's weight at each position
     struct proposal {
         std::vector<llama_token> tokens;
         size_t next = 0;                   // the index compared with the next committed token
@@ -151,16 +177,19 @@ struct dflash_adapt {
     dflash_adapt_stats stats{};
 
     int longest_interval() const {
-        if (costs->draft_ms <= 0.0 || costs->scale_ms <= 0.0) {
+        const double probe_ms = costs->draft_cost(1);
+        if (probe_ms <= 0.0 || costs->scale_ms <= 0.0) {
             return k_max_probe_interval;
         }
-        const double steps = std::ceil(costs->draft_ms / (k_probe_budget * costs->pass_ms(1)));
+        const double steps = std::ceil(probe_ms / (k_probe_budget * costs->pass_ms(1)));
         return (int) std::clamp(steps, 1.0, (double) k_max_probe_interval);
     }
 
     double acceptance(int j) const {  // P(token j kept | tokens before it kept), j = 1..n_max
-        return (hits[j - 1] + k_prior_weight * k_prior_p) / (seen[j - 1] + k_prior_weight);
+        return (hits[j - 1] + prior[j - 1] * k_prior_p) / (seen[j - 1] + prior[j - 1]);
     }
+
+    static int drafted_for(int k, int n_limit) { return std::min(k + 1, n_limit); }
 
     // The k in 0..n_limit with the most expected tokens per millisecond.
     int best_k(int n_limit) const {
@@ -173,7 +202,7 @@ struct dflash_adapt {
         for (int k = 1; k <= n_limit; ++k) {
             kept_through *= acceptance(k);
             expected += kept_through;
-            const double rate = expected / (costs->draft_ms + costs->pass_ms(k + 1));
+            const double rate = expected / (costs->draft_cost(drafted_for(k, n_limit)) + costs->pass_ms(k + 1));
             if (rate > best_rate) {
                 best = k;
                 best_rate = rate;
@@ -192,19 +221,20 @@ struct dflash_adapt {
         }
         const int k = best_k(n_limit);
         if (k > 0) {
-            return {n_limit, k};
+            return {drafted_for(k, n_limit), k};
         }
         if (++since_probe < probe_interval) {
             return {0, 0};
         }
         since_probe = 0;
         stats.n_probes += 1;
-        return {n_limit, 0};
+        return {1, 0};
     }
 
     void observe(int j, bool kept) {
         hits[j - 1] = k_decay * hits[j - 1] + (kept ? 1.0 : 0.0);
         seen[j - 1] = k_decay * seen[j - 1] + 1.0;
+        prior[j - 1] = std::max(k_prior_floor, k_decay * prior[j - 1]);
         if (j == 1) {
             probe_interval = kept ? std::max(1, probe_interval / 2) : std::min(2 * probe_interval, longest_interval());
         }
@@ -234,6 +264,7 @@ struct dflash_adapt {
         for (int j = 0; j < n_max; ++j) {
             hits[j] *= k_carry_over;
             seen[j] *= k_carry_over;
+            prior[j] = std::max(k_prior_floor, k_carry_over * prior[j]);
         }
         pending.clear();
         probe_interval = 1;
@@ -250,6 +281,7 @@ dflash_costs * dflash_costs_init(int max_rows) {
         auto c = new dflash_costs();
         c->max_rows = max_rows;
         c->shape.assign(max_rows + 1, 1.0);
+        c->draft_ms.assign(max_rows + 1, 0.0);
         return c;
     }, (dflash_costs *) nullptr);
 }
@@ -312,11 +344,11 @@ int dflash_costs_calibrate(dflash_costs * costs, llama_context * ctx) {
 
 void dflash_costs_observe_pass(dflash_costs * costs, int n_rows, double ms) { costs->observe_pass(n_rows, ms); }
 
-void dflash_costs_observe_draft(dflash_costs * costs, double ms) { costs->observe_draft(ms); }
+void dflash_costs_observe_draft(dflash_costs * costs, int n_tokens, double ms) { costs->observe_draft(n_tokens, ms); }
 
 double dflash_costs_pass_ms(const dflash_costs * costs, int n_rows) { return costs->pass_ms(n_rows); }
 
-double dflash_costs_draft_ms(const dflash_costs * costs) { return costs->draft_ms; }
+double dflash_costs_draft_ms(const dflash_costs * costs, int n_tokens) { return costs->draft_cost(n_tokens); }
 
 int dflash_costs_max_rows(const dflash_costs * costs) { return costs->max_rows; }
 
@@ -333,6 +365,7 @@ dflash_adapt * dflash_adapt_init(const dflash_costs * costs, int n_max) {
         a->n_max = n_max;
         a->hits.assign(n_max, 0.0);
         a->seen.assign(n_max, 0.0);
+        a->prior.assign(n_max, k_prior_weight);
         return a;
     }, (dflash_adapt *) nullptr);
 }

@@ -275,9 +275,16 @@ struct dflash_history {
 };
 
 struct dflash_cache {
+    dflash_draft * draft = nullptr;
     int cross_ctx = 0;
     bool full_attention = false;
-    int32_t last_pos = -1;
+    int32_t last_pos = -1;  // of the newest row appended, pending or not
+    // Rows appended but not yet projected (feature rows, n_target_features floats each). They are
+    // projected as one batch when the draft next steps or the cache is read: decoding without
+    // drafting (the adaptive block length at k = 0) then builds one graph per probe, not one per
+    // token, and each row costs a quarter as much.
+    std::vector<float> pending_features;
+    std::vector<int32_t> pending_pos;
     ggml_context * ctx = nullptr;
     ggml_backend_buffer_t buf = nullptr;
     std::vector<dflash_cache_layer> layers;
@@ -288,6 +295,8 @@ struct dflash_cache {
         if (buf) ggml_backend_buffer_free(buf);
         if (ctx) ggml_free(ctx);
     }
+
+    int n_pending() const { return (int) pending_pos.size(); }
 
     void clear_rings() {
         for (auto & cl : layers) {
@@ -771,6 +780,28 @@ void rebuild_rings(dflash_draft & d, dflash_cache & c) {
     c.stale = false;
 }
 
+// Project the pending rows into the rings and the history (see dflash_cache::pending_features).
+void flush_pending(dflash_draft & d, dflash_cache & c) {
+    if (c.stale) {
+        rebuild_rings(d, c);
+    }
+    const int n_rows = c.n_pending();
+    // rows older than the history's capacity would leave it (and every ring) within this append
+    const int first = std::max(0, n_rows - c.history.capacity);
+    std::vector<float> fused;
+    for (int i = first; i < n_rows; i += k_append_chunk) {
+        const int n = std::min(k_append_chunk, n_rows - i);
+        fused.resize((size_t) n * d.n_embd);
+        append_rows(d, c, c.pending_features.data() + (size_t) i * d.n_target_features, true,
+                    c.pending_pos.data() + i, n, n_rows - i - n, fused.data());
+        for (int j = 0; j < n; ++j) {
+            c.history.push(fused.data() + (size_t) j * d.n_embd, c.pending_pos[i + j]);
+        }
+    }
+    c.pending_features.clear();
+    c.pending_pos.clear();
+}
+
 // One draft step. The whole block runs through the layers (attention needs every row), but the
 // head, which costs more than the layers for a large vocabulary, runs only on block rows
 // head_row0 .. head_row0 + n_head - 1. The first-maximum argmax of every head row past row 0 goes
@@ -916,12 +947,13 @@ int  dflash_draft_n_target_features(const dflash_draft * d) { return d->n_target
 const char * dflash_draft_format(const dflash_draft * d) { return d->format->arch; }
 const char * dflash_draft_device(const dflash_draft * d) { return ggml_backend_name(d->device ? d->device : d->cpu); }
 
-dflash_cache * dflash_cache_init(const dflash_draft * d, int cross_ctx, bool full_attention) {
+dflash_cache * dflash_cache_init(dflash_draft * d, int cross_ctx, bool full_attention) {
     return guarded([&]() -> dflash_cache * {
         if (cross_ctx < 1) {
             fail("cross_ctx must be at least 1, got %d", cross_ctx);
         }
         auto c = std::make_unique<dflash_cache>();
+        c->draft = d;
         c->cross_ctx = cross_ctx;
         c->full_attention = full_attention;
         ggml_init_params params = {ggml_tensor_overhead() * 2 * d->n_layer, nullptr, /*no_alloc=*/true};
@@ -950,6 +982,8 @@ dflash_cache * dflash_cache_init(const dflash_draft * d, int cross_ctx, bool ful
 void dflash_cache_free(dflash_cache * c) { delete c; }
 
 void dflash_cache_clear(dflash_cache * c) {
+    c->pending_features.clear();
+    c->pending_pos.clear();
     c->clear_rings();
     c->history.count = c->history.start = 0;
     c->stale = false;
@@ -957,6 +991,12 @@ void dflash_cache_clear(dflash_cache * c) {
 }
 
 void dflash_cache_truncate(dflash_cache * c, int32_t pos) {
+    int keep = c->n_pending();
+    while (keep > 0 && c->pending_pos[keep - 1] >= pos) {
+        --keep;
+    }
+    c->pending_pos.resize(keep);
+    c->pending_features.resize((size_t) keep * c->draft->n_target_features);
     c->history.drop_from(pos);
     for (auto & cl : c->layers) {
         // rows arrive in increasing positions, so the rows to drop are the newest ones
@@ -980,6 +1020,7 @@ int dflash_cache_shift(dflash_cache * c, int32_t p0, int32_t p1, int32_t delta) 
         if (p0 < 0 || p1 < p0 || (delta < 0 && p1 + delta < p0)) {
             fail("cannot shift: drop [%d, %d) and move the rows after it by %d", p0, p1, delta);
         }
+        flush_pending(*c->draft, *c);
         dflash_history & h = c->history;
         std::vector<int32_t> pos;
         std::vector<float> rows;
@@ -1011,14 +1052,29 @@ struct state_header {
 };
 }  // namespace
 
-size_t dflash_cache_state_size(const dflash_cache * c) {
+// Rows still pending are projected first: the state holds fused rows only. 0 when that fails.
+static bool flush_for_reading(dflash_cache * c) {
+    return guarded([&]() -> bool {
+        flush_pending(*c->draft, *c);
+        return true;
+    }, false);
+}
+
+size_t dflash_cache_state_size(dflash_cache * c) {
+    if (!flush_for_reading(c)) {
+        return 0;
+    }
     const dflash_history & h = c->history;
     return sizeof(state_header) + (size_t) h.count * (sizeof(int32_t) + sizeof(float) * h.n_embd);
 }
 
-size_t dflash_cache_state_get(const dflash_cache * c, uint8_t * dst, size_t size) {
+size_t dflash_cache_state_get(dflash_cache * c, uint8_t * dst, size_t size) {
+    const size_t needed = dflash_cache_state_size(c);
+    if (needed == 0) {
+        return 0;
+    }
     const dflash_history & h = c->history;
-    if (size < dflash_cache_state_size(c)) {
+    if (size < needed) {
         dflash_impl::last_error = "the buffer is too small for the cross-context state";
         return 0;
     }
@@ -1054,6 +1110,8 @@ int dflash_cache_state_set(dflash_cache * c, const uint8_t * src, size_t size) {
         }
         const int32_t * pos = (const int32_t *) (src + sizeof(head));
         const float * rows = (const float *) (pos + head.count);
+        c->pending_features.clear();
+        c->pending_pos.clear();
         for (int i = 0; i < head.count; ++i) {
             if (pos[i] < 0 || (i > 0 && pos[i] <= pos[i - 1]) || pos[i] > head.last_pos) {
                 fail("the cross-context state's positions are not increasing");
@@ -1070,7 +1128,10 @@ int dflash_cache_state_set(dflash_cache * c, const uint8_t * src, size_t size) {
 }
 
 int dflash_cache_capacity(const dflash_cache * c, int il) { return c->layers.at(il).capacity; }
-int dflash_cache_n_rows(const dflash_cache * c, int il) { return c->layers.at(il).n_used; }
+int dflash_cache_n_rows(const dflash_cache * c, int il) {
+    const dflash_cache_layer & cl = c->layers.at(il);
+    return std::min(cl.capacity, cl.n_used + c->n_pending());  // as once the pending rows are projected
+}
 size_t dflash_cache_size_bytes(const dflash_cache * c) { return ggml_backend_buffer_get_size(c->buf); }
 
 int dflash_cache_append(dflash_draft * d, dflash_cache * c, const float * features, const int32_t * pos, int n_rows) {
@@ -1084,22 +1145,16 @@ int dflash_cache_append(dflash_draft * d, dflash_cache * c, const float * featur
                      i == 0 ? c->last_pos : pos[i - 1]);
             }
         }
-        if (c->stale) {
-            rebuild_rings(*d, *c);
+        if (d != c->draft) {
+            fail("the cross-context belongs to another draft");
         }
-        // rows older than the history's capacity would leave it (and every ring) within this append
-        const int first = std::max(0, n_rows - c->history.capacity);
-        std::vector<float> fused;
-        for (int i = first; i < n_rows; i += k_append_chunk) {
-            const int n = std::min(k_append_chunk, n_rows - i);
-            fused.resize((size_t) n * d->n_embd);
-            append_rows(*d, *c, features + (size_t) i * d->n_target_features, true, pos + i, n, n_rows - i - n,
-                        fused.data());
-            for (int j = 0; j < n; ++j) {
-                c->history.push(fused.data() + (size_t) j * d->n_embd, pos[i + j]);
-            }
-        }
+        c->pending_features.insert(c->pending_features.end(), features,
+                                   features + (size_t) n_rows * d->n_target_features);
+        c->pending_pos.insert(c->pending_pos.end(), pos, pos + n_rows);
         c->last_pos = pos[n_rows - 1];
+        if (c->n_pending() >= k_append_chunk) {
+            flush_pending(*d, *c);
+        }
         return 0;
     }, -1);
 }
@@ -1111,9 +1166,10 @@ static void prepare_step(dflash_draft & d, dflash_cache & c, llama_token first_t
     if (start_pos <= c.last_pos) {
         fail("the block starts at %d but the context already reaches %d", start_pos, c.last_pos);
     }
-    if (c.stale) {
-        rebuild_rings(d, c);
+    if (&d != c.draft) {
+        fail("the cross-context belongs to another draft");
     }
+    flush_pending(d, c);
 }
 
 int dflash_draft_step(dflash_draft * d, dflash_cache * c, llama_token first_token, int32_t start_pos, float * logits,

@@ -400,7 +400,7 @@ struct dflash_engine::generation {
         st.t_draft_ms += ms;
         dflash_adapt_proposed(adapt, proposal.data(), n);
         if (e.costs) {
-            dflash_costs_observe_draft(e.costs.get(), ms);
+            dflash_costs_observe_draft(e.costs.get(), n, ms);
         }
     }
 

@@ -71,7 +71,8 @@ LLAMA_API const char * dflash_draft_format(const dflash_draft * draft);         
 // memory the fused context row of its newest cross_ctx positions (n_embd floats each): after a
 // truncation, a shift or a restored state, the layers are rebuilt from it exactly, so a sliding
 // layer never loses rows its window still covers.
-LLAMA_API dflash_cache * dflash_cache_init(const dflash_draft * draft, int cross_ctx, bool full_attention);
+// The cache belongs to that draft: appends and steps take the same one.
+LLAMA_API dflash_cache * dflash_cache_init(dflash_draft * draft, int cross_ctx, bool full_attention);
 LLAMA_API void   dflash_cache_free(dflash_cache * cache);
 LLAMA_API void   dflash_cache_clear(dflash_cache * cache);
 // Drop the rows at positions >= pos (the target rolled back or reuses a cached prompt prefix).
@@ -81,9 +82,10 @@ LLAMA_API void   dflash_cache_truncate(dflash_cache * cache, int32_t pos);
 LLAMA_API int    dflash_cache_shift(dflash_cache * cache, int32_t p0, int32_t p1, int32_t delta);
 // The cache's state as bytes (the rows and their positions), to save beside the target's own
 // state and put back later into a cache of the same draft. get returns the bytes written (0 if
-// size is too small); set returns 0 on success.
-LLAMA_API size_t dflash_cache_state_size(const dflash_cache * cache);
-LLAMA_API size_t dflash_cache_state_get(const dflash_cache * cache, uint8_t * dst, size_t size);
+// size is too small); set returns 0 on success. size and get project the rows an append left
+// pending first (0 if that fails, with dflash_last_error).
+LLAMA_API size_t dflash_cache_state_size(dflash_cache * cache);
+LLAMA_API size_t dflash_cache_state_get(dflash_cache * cache, uint8_t * dst, size_t size);
 LLAMA_API int    dflash_cache_state_set(dflash_cache * cache, const uint8_t * src, size_t size);
 LLAMA_API int    dflash_cache_capacity(const dflash_cache * cache, int il);  // rows kept by layer il
 LLAMA_API int    dflash_cache_n_rows(const dflash_cache * cache, int il);    // rows held now
@@ -91,7 +93,8 @@ LLAMA_API size_t dflash_cache_size_bytes(const dflash_cache * cache);       // t
 
 // Append context rows: features is n_rows x n_target_features floats, row-major, each row the
 // concatenation of the target layers in the draft's order; pos are the rows' target positions,
-// increasing. Returns 0 on success.
+// increasing. Returns 0 on success. Rows are projected into the layers in batches: when 256 are
+// pending, or at the next draft step, shift or state read, so appending a row at a time is cheap.
 LLAMA_API int dflash_cache_append(dflash_draft * draft, dflash_cache * cache,
                                   const float * features, const int32_t * pos, int n_rows);
 
@@ -158,12 +161,13 @@ LLAMA_API void dflash_seq_restore_state(const dflash_seq * seq);
 // is a plain one-token decode with no draft step. Before each step the controller picks the k
 // with the most expected tokens per millisecond, from running estimates of p_j and of the costs.
 //
-// The draft proposes every token the step may verify (n_limit), and each proposed token is
-// compared with the token the target commits at its position, in that step or a later one: a
-// step verifying k < n_limit still measures the positions after k. At k = 0 an occasional probe
-// (a draft step whose tokens are compared, not verified; its interval doubles with each miss of
-// the draft's first token, up to where probes cost 2% of plain decoding, and halves with each
-// hit) notices when the draft becomes right again.
+// A step verifying k drafts has the draft propose k + 1 tokens (at most n_limit), and each
+// proposed token is compared with the token the target commits at its position, in that step or a
+// later one: position k + 1 stays measured, so the controller sees when a longer block would pay.
+// The draft's cost is measured per tokens proposed (its head runs on that many rows). At k = 0 an
+// occasional probe (a draft step of one token, compared, not verified; its interval doubles with
+// each miss, up to where probes cost 2% of plain decoding, and halves with each hit) notices when
+// the draft becomes right again.
 //
 // Usage, per step of a sequence (the draft's cross-context is fed by every target pass anyway):
 //   plan = dflash_adapt_plan_step(adapt, n_limit);      // n_limit: what block, budget, context allow
@@ -186,11 +190,13 @@ LLAMA_API void   dflash_costs_free(dflash_costs * costs);
 LLAMA_API int    dflash_costs_calibrate(dflash_costs * costs, llama_context * ctx);
 // pass_ms: max_rows times, for 1..max_rows rows (a known machine; tests). Returns 0 on success.
 LLAMA_API int    dflash_costs_set_passes(dflash_costs * costs, const double * pass_ms);
-// Observed times (a pass over n_rows rows of any sequences; a draft step), folded into the estimates.
+// Observed times (a pass over n_rows rows of any sequences; a draft step proposing n_tokens),
+// folded into the estimates.
 LLAMA_API void   dflash_costs_observe_pass(dflash_costs * costs, int n_rows, double ms);
-LLAMA_API void   dflash_costs_observe_draft(dflash_costs * costs, double ms);
-LLAMA_API double dflash_costs_pass_ms(const dflash_costs * costs, int n_rows);  // 0 while unknown
-LLAMA_API double dflash_costs_draft_ms(const dflash_costs * costs);            // 0 while unknown
+LLAMA_API void   dflash_costs_observe_draft(dflash_costs * costs, int n_tokens, double ms);
+LLAMA_API double dflash_costs_pass_ms(const dflash_costs * costs, int n_rows);     // 0 while unknown
+// A count not yet observed costs what the nearest larger one observed does, else the nearest smaller.
+LLAMA_API double dflash_costs_draft_ms(const dflash_costs * costs, int n_tokens);  // 0 while unknown
 LLAMA_API int    dflash_costs_max_rows(const dflash_costs * costs);
 
 struct dflash_adapt_plan {

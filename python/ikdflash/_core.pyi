@@ -82,9 +82,11 @@ class CrossContext:
 
 class BlockController:
     """The adaptive block length's controller (dflash_adapt) on pass costs given, with no model:
-    pass_ms[r - 1] is a target pass over r rows (r = 1..n_max + 1), draft_ms a draft step."""
+    pass_ms[r - 1] is a target pass over r rows (r = 1..n_max + 1), draft_ms a draft step: one
+    time for any number of tokens proposed, or draft_ms[n - 1] for n = 1..n_max tokens."""
 
-    def __init__(self, n_max: int, pass_ms: list[float], draft_ms: float, adaptive: bool = True) -> None: ...
+    def __init__(self, n_max: int, pass_ms: list[float], draft_ms: float | list[float],
+                 adaptive: bool = True) -> None: ...
     def plan(self, n_limit: int) -> tuple[int, int]:
         """(tokens the draft proposes, of which verified) for the next step."""
     def proposed(self, tokens: list[int]) -> None: ...
