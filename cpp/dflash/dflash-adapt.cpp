@@ -266,10 +266,8 @@ struct dflash_adapt {
             seen[j] *= k_carry_over;
             prior[j] = std::max(k_prior_floor, k_carry_over * prior[j]);
         }
-        pending.clear();
-        probe_interval = 1;
-        since_probe = 0;
-        stats = {};
+        pending.clear();  // the probe schedule carries over too: a draft that missed all through the
+        stats = {};       // last request does not get probed at every step of the next one's start
     }
 };
 

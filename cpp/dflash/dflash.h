@@ -214,7 +214,7 @@ struct dflash_adapt_stats {
 LLAMA_API dflash_adapt * dflash_adapt_init(const dflash_costs * costs, int n_max);
 LLAMA_API void dflash_adapt_free(dflash_adapt * adapt);
 // A new request on the sequence: pending proposals and statistics are dropped, the acceptance
-// estimates kept at half weight.
+// estimates kept at half weight, the probe interval kept.
 LLAMA_API void dflash_adapt_reset(dflash_adapt * adapt);
 LLAMA_API struct dflash_adapt_plan dflash_adapt_plan_step(dflash_adapt * adapt, int n_limit);
 // The tokens the draft proposed for the positions after the current token.
