@@ -13,8 +13,9 @@ Workloads, each generated greedily by one engine per pair, on 2 threads:
 
 For each workload: tokens/s of the target alone, of fixed n_max 1, 2, 3, 4, and of the adaptive
 block length with n_max 4 (which may choose any k in 0..4 each step), as ratios to the target
-alone; medians over --repeats rounds, the modes interleaved within each round. Every output
-must equal the target alone's (exit 1 otherwise). Also: the controller's own cost per step,
+alone: for each request of --repeats rounds the target alone runs right before the modes, and
+the ratio reported is the median of those per-request ratios. Every output must equal the target
+alone's (exit 1 otherwise). Also: the controller's own cost per step,
 through Python (an upper bound of its C++ cost), against a one-row target pass.
 """
 
@@ -60,37 +61,44 @@ def chat_prompts(engine: Engine, questions: list[str]) -> list[list[int]]:
 
 
 def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, repeats: int) -> dict:
-    """tokens/s per mode (medians of rounds) and the adaptive mode's choices, for one pair."""
+    """tokens/s per mode (medians over requests), each mode's ratio to the target alone (the
+    median of per-request ratios: the target alone runs right before each request's modes, so the
+    machine's drift cancels) and the adaptive mode's choices, for one pair."""
     modes = ["alone"] + [f"fixed {k}" for k in FIXED] + ["adaptive"]
     speeds: dict[str, list[float]] = {m: [] for m in modes}
-    plain_share, by_k = [], [0] * 5
-    with Engine(target, n_ctx=2048, n_threads=2) as plain, Engine(target, draft, n_ctx=2048, n_threads=2) as engine:
-        prompts = prompts_of(engine)
+    ratios: dict[str, list[float]] = {m: [] for m in modes}
+    plain_share, by_k, probes = [], [0] * 5, 0
+    # the adaptive mode has an engine of its own: its controller carries what it learnt from one
+    # request to the next, as in a server's slot, which a fixed run in between would reset
+    with Engine(target, n_ctx=2048, n_threads=2) as plain, \
+            Engine(target, draft, n_ctx=2048, n_threads=2) as fixed, \
+            Engine(target, draft, n_ctx=2048, n_threads=2) as adaptive:
+        prompts = prompts_of(fixed)
         for prompt in prompts[:1]:  # warm-up: first passes page weights in and plan buffers
             plain.generate(prompt, max_tokens=tokens)
-            engine.speculate(prompt, max_tokens=tokens, n_max=4)
+            fixed.speculate(prompt, max_tokens=tokens, n_max=4, adaptive=False)
+            adaptive.speculate(prompt, max_tokens=tokens, n_max=4)
         for r in range(repeats):
-            totals = {m: [0, 0.0] for m in modes}
             for prompt in prompts:
                 alone = plain.generate(prompt, max_tokens=tokens)
                 outs = {"alone": alone,
-                        **{f"fixed {k}": engine.speculate(prompt, max_tokens=tokens, n_max=k, adaptive=False)
-                           for k in FIXED if k},
-                        "adaptive": engine.speculate(prompt, max_tokens=tokens, n_max=4)}
+                        **{f"fixed {k}": fixed.speculate(prompt, max_tokens=tokens, n_max=k, adaptive=False)
+                           for k in FIXED},
+                        "adaptive": adaptive.speculate(prompt, max_tokens=tokens, n_max=4)}
                 for mode, out in outs.items():
                     if out.tokens != alone.tokens:
                         sys.exit(f"{name}: {mode} turned from the target alone's output")
-                    totals[mode][0] += out.stats.generated
-                    totals[mode][1] += out.stats.draft_time + out.stats.verify_time
+                    speeds[mode].append(out.stats.generated / (out.stats.draft_time + out.stats.verify_time))
+                    ratios[mode].append(speeds[mode][-1] / speeds["alone"][-1])
                 st = outs["adaptive"].stats
                 by_k = [a + b for a, b in zip(by_k, st.steps_by_verified, strict=True)]
                 plain_share.append(st.plain_share)
-            for mode in modes:
-                speeds[mode].append(totals[mode][0] / totals[mode][1])
+                probes += st.probes
             print(f"  {name}: round {r + 1}/{repeats} done", file=sys.stderr)
-    tps = {m: statistics.median(v) for m, v in speeds.items()}
-    return {"tokens_per_second": tps, "ratio_to_alone": {m: tps[m] / tps["alone"] for m in modes},
-            "adaptive_steps_by_verified": by_k, "adaptive_plain_share": statistics.mean(plain_share)}
+    return {"tokens_per_second": {m: statistics.median(v) for m, v in speeds.items()},
+            "ratio_to_alone": {m: statistics.median(v) for m, v in ratios.items()},
+            "adaptive_steps_by_verified": by_k, "adaptive_plain_share": statistics.mean(plain_share),
+            "adaptive_probes": probes}
 
 
 def controller_cost(pass_ms: float) -> dict:
@@ -129,11 +137,11 @@ def main() -> None:
     alone = results["built-in"]["tokens_per_second"]["alone"]
     results["controller"] = controller_cost(1e3 / alone)
     modes = list(results["useless"]["ratio_to_alone"])
-    print(f"{'workload':>13} | " + " ".join(f"{m:>9}" for m in modes) + " | adaptive: k=0 share, steps by k")
+    print(f"{'workload':>13} | " + " ".join(f"{m:>9}" for m in modes) + " | adaptive: k=0 share, steps by k, probes")
     for name in ("useless", "built-in", "mixed", "always-right"):
         r = results[name]
         print(f"{name:>13} | " + " ".join(f"{r['ratio_to_alone'][m]:>8.2f}x" for m in modes)
-              + f" | {r['adaptive_plain_share']:.0%}, {r['adaptive_steps_by_verified']}")
+              + f" | {r['adaptive_plain_share']:.0%}, {r['adaptive_steps_by_verified']}, {r['adaptive_probes']}")
     c = results["controller"]
     print(f"controller: {c['us_per_step_through_python']:.1f} us a step through Python, "
           f"{c['share_of_a_one_row_pass']:.2%} of a one-row SmolLM2 pass")

@@ -166,7 +166,7 @@ LLAMA_API void dflash_seq_restore_state(const dflash_seq * seq);
 // later one: position k + 1 stays measured, so the controller sees when a longer block would pay.
 // The draft's cost is measured per tokens proposed (its head runs on that many rows). At k = 0 an
 // occasional probe (a draft step of one token, compared, not verified; its interval doubles with
-// each miss, up to where probes cost 2% of plain decoding, and halves with each hit) notices when
+// each miss, up to where probes cost 1% of plain decoding, and halves with each hit) notices when
 // the draft becomes right again.
 //
 // Usage, per step of a sequence (the draft's cross-context is fed by every target pass anyway):
