@@ -5,6 +5,7 @@
 
 namespace ikdflash {
 void bind_dflash(py::module_ & m);
+void bind_measure(py::module_ & m);
 py::tuple layer_features(Model & model, const std::vector<llama_token> & tokens, const std::vector<int32_t> & layer_ids);
 }
 
@@ -45,8 +46,9 @@ PYBIND11_MODULE(_core, m) {
     m.def("build_info", &build_info, "Version, compiled backends and CPU features of this build.");
 
     py::class_<Model>(m, "Model")
-        .def(py::init<const std::string &, int, int, int, int>(), py::arg("path"), py::arg("n_ctx") = 512,
-             py::arg("n_threads") = 0, py::arg("n_gpu_layers") = 0, py::arg("n_batch") = 512)
+        .def(py::init<const std::string &, int, int, int, int, bool>(), py::arg("path"), py::arg("n_ctx") = 512,
+             py::arg("n_threads") = 0, py::arg("n_gpu_layers") = 0, py::arg("n_batch") = 512,
+             py::arg("repack") = false)
         .def("close", &Model::close)
         .def("tokenize", &Model::tokenize, py::arg("text"), py::arg("add_special") = true,
              py::arg("parse_special") = false)
@@ -63,4 +65,5 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("n_ctx", &Model::n_ctx);
 
     bind_dflash(m);
+    bind_measure(m);
 }

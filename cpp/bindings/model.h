@@ -82,7 +82,9 @@ inline int default_threads() {
 
 class Model {
 public:
-    Model(const std::string & path, int n_ctx, int n_threads, int n_gpu_layers, int n_batch)
+    // repack: the fork's run-time repacking of weights into its interleaved layouts, where a type
+    // has one (llama-server's -rtr).
+    Model(const std::string & path, int n_ctx, int n_threads, int n_gpu_layers, int n_batch, bool repack = false)
         : path_(path) {
         check_model_file(path);
         if (n_ctx < 1) {
@@ -90,6 +92,7 @@ public:
         }
         llama_model_params mparams = llama_model_default_params();
         mparams.n_gpu_layers = n_gpu_layers;
+        mparams.repack_tensors = repack;
         take_log_errors();
         {
             py::gil_scoped_release release;

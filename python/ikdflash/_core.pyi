@@ -17,11 +17,20 @@ def attention_mask(key_positions: list[int], start: int, n_query: int, sliding: 
                    window: int, kv_pad: int = 1) -> npt.NDArray[np.float32]:
     """The draft's mask rule: rows = queries padded to 16, 0 = visible, -inf = hidden."""
 
+def time_passes(model: Model, n_rows: list[int], n_context: int, repeats: int) -> list[list[float]]:
+    """For each row count, milliseconds of `repeats` target passes of that many rows (every row's
+    logits kept) after n_context cached tokens; the rows are dropped after each pass, and the
+    counts take turns within each round."""
+def memory_read_bandwidth(n_threads: int, mib: int = 1024, repeats: int = 5) -> float:
+    """GB/s read by n_threads threads summing a buffer of `mib` MiB (best of repeats)."""
+def quantize(src: str, dst: str, type: str, n_threads: int = 0) -> None:
+    """Requantize the GGUF at src to dst: Q4_0, Q4_1, Q8_0, Q4_K_M, Q6_K, IQ4_NL or IQ4_XS."""
+
 class Model:
     """A GGUF model and its context. Raises FileNotFoundError / ValueError naming the file."""
 
     def __init__(self, path: str, n_ctx: int = 512, n_threads: int = 0, n_gpu_layers: int = 0,
-                 n_batch: int = 512) -> None: ...
+                 n_batch: int = 512, repack: bool = False) -> None: ...
     def close(self) -> None: ...
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
     def detokenize(self, tokens: list[int], render_special: bool = False) -> bytes: ...

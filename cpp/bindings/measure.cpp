@@ -1,0 +1,173 @@
+// Measurements for benchmarks/pass_cost.py: target passes by row count at a given context
+// length, requantized copies of a model, and the machine's memory-read bandwidth, the floor that
+// a one-row pass over weights that do not fit in cache stands beside.
+
+#include "model.h"
+
+#include <chrono>
+#include <map>
+#include <thread>
+#include <vector>
+
+namespace ikdflash {
+
+namespace {
+
+double now_ms() {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// For each row count in n_rows, the times of `repeats` passes of that many rows at positions
+// n_context.. (every row's logits kept, as in a verification pass), each from the same n_context
+// cached tokens (the rows are dropped after each pass). The counts take turns within each round,
+// so a slow moment of a shared machine spreads over all of them.
+std::vector<std::vector<double>> time_passes(Model & model, const std::vector<int> & n_rows, int n_context,
+                                             int repeats) {
+    llama_context * ctx = model.raw_context();
+    const int n_batch = (int) llama_n_batch(ctx);
+    int most = 0;
+    for (int n : n_rows) {
+        if (n < 1 || n > n_batch) {
+            throw py::value_error("row counts must be in 1.." + std::to_string(n_batch) + " (the model's n_batch), got " +
+                                  std::to_string(n));
+        }
+        most = std::max(most, n);
+    }
+    if (n_context < 0 || n_context + most > (int) llama_n_ctx(ctx)) {
+        throw py::value_error(std::to_string(n_context) + " cached tokens and " + std::to_string(most) +
+                              " rows do not fit the context of " + std::to_string(llama_n_ctx(ctx)));
+    }
+    if (repeats < 1) {
+        throw py::value_error("repeats must be at least 1, got " + std::to_string(repeats));
+    }
+    const int n_vocab = model.n_vocab();
+    auto token_at = [n_vocab](int pos) { return (17 * pos + 100) % n_vocab; };  // any ids: cost does not depend on them
+    std::vector<std::vector<double>> times(n_rows.size());
+    const std::string error = model.exclusive([&]() -> std::string {
+        llama_batch batch = llama_batch_init(n_batch, 0, 1);
+        auto decode = [&](int pos0, int n, bool all_logits) {
+            batch.n_tokens = n;
+            for (int j = 0; j < n; ++j) {
+                batch.token[j] = token_at(pos0 + j);
+                batch.pos[j] = pos0 + j;
+                batch.n_seq_id[j] = 1;
+                batch.seq_id[j][0] = 0;
+                batch.logits[j] = all_logits || j == n - 1;
+            }
+            return llama_decode(ctx, batch);
+        };
+        std::string failure;
+        llama_kv_cache_clear(ctx);
+        for (int i = 0; i < n_context && failure.empty(); i += n_batch) {
+            if (decode(i, std::min(n_batch, n_context - i), false) != 0) {
+                failure = "the context's prefill failed";
+            }
+        }
+        for (int r = 0; r < repeats && failure.empty(); ++r) {
+            for (size_t k = 0; k < n_rows.size() && failure.empty(); ++k) {
+                const double t0 = now_ms();
+                const int rc = decode(n_context, n_rows[k], true);
+                llama_synchronize(ctx);
+                times[k].push_back(now_ms() - t0);
+                llama_kv_cache_seq_rm(ctx, 0, n_context, -1);
+                if (rc != 0) {
+                    failure = "a pass of " + std::to_string(n_rows[k]) + " rows failed with code " + std::to_string(rc);
+                }
+            }
+        }
+        llama_batch_free(batch);
+        llama_kv_cache_clear(ctx);
+        return failure;
+    });
+    if (!error.empty()) {
+        throw std::runtime_error(model.path() + ": " + error);
+    }
+    return times;
+}
+
+// GB/s of n_threads threads each summing its share of a buffer of `mib` MiB (touched first, so the
+// pages exist), the best of `repeats` rounds.
+double memory_read_bandwidth(int n_threads, int mib, int repeats) {
+    if (n_threads < 1 || mib < 1 || repeats < 1) {
+        throw py::value_error("n_threads, mib and repeats must be at least 1");
+    }
+    py::gil_scoped_release release;
+    const size_t n = (size_t) mib * 1024 * 1024 / sizeof(uint64_t);
+    std::vector<uint64_t> buffer(n, 1);
+    std::vector<uint64_t> sums(n_threads);
+    double best = 0.0;
+    for (int r = 0; r < repeats; ++r) {
+        const double t0 = now_ms();
+        std::vector<std::thread> threads;
+        for (int t = 0; t < n_threads; ++t) {
+            threads.emplace_back([&, t] {
+                const size_t begin = n * t / n_threads, end = n * (t + 1) / n_threads;
+                uint64_t sum = 0;
+                for (size_t i = begin; i < end; ++i) {
+                    sum += buffer[i];
+                }
+                sums[t] = sum;  // kept, so the loop is not optimised away
+            });
+        }
+        for (auto & th : threads) {
+            th.join();
+        }
+        const double ms = now_ms() - t0;
+        best = std::max(best, (double) (n * sizeof(uint64_t)) / (ms * 1e6));
+    }
+    uint64_t total = 0;
+    for (uint64_t s : sums) {
+        total += s;
+    }
+    if (total != n) {
+        throw std::runtime_error("the bandwidth buffer summed wrong");
+    }
+    return best;
+}
+
+// A copy of the GGUF at src, its weights requantized to `type` (the fork's own quantizer, as
+// llama-quantize --allow-requantize runs it).
+void quantize(const std::string & src, const std::string & dst, const std::string & type, int n_threads) {
+    static const std::map<std::string, llama_ftype> types = {
+        {"Q4_0", LLAMA_FTYPE_MOSTLY_Q4_0},     {"Q4_1", LLAMA_FTYPE_MOSTLY_Q4_1},
+        {"Q8_0", LLAMA_FTYPE_MOSTLY_Q8_0},     {"Q4_K_M", LLAMA_FTYPE_MOSTLY_Q4_K_M},
+        {"Q6_K", LLAMA_FTYPE_MOSTLY_Q6_K},     {"IQ4_NL", LLAMA_FTYPE_MOSTLY_IQ4_NL},
+        {"IQ4_XS", LLAMA_FTYPE_MOSTLY_IQ4_XS},
+    };
+    check_model_file(src);
+    const auto it = types.find(type);
+    if (it == types.end()) {
+        std::string known;
+        for (const auto & [name, ftype] : types) {
+            known += (known.empty() ? "" : ", ") + name;
+        }
+        throw py::value_error("unknown quantization type '" + type + "' (known: " + known + ")");
+    }
+    llama_model_quantize_params params = llama_model_quantize_default_params();
+    params.ftype = it->second;
+    params.nthread = n_threads;
+    params.allow_requantize = true;
+    params.ignore_imatrix_rules = true;  // a cost measurement: no importance matrix needed
+    uint32_t rc;
+    {
+        py::gil_scoped_release release;
+        rc = llama_model_quantize(src.c_str(), dst.c_str(), &params);
+    }
+    if (rc != 0) {
+        throw std::runtime_error(src + ": quantizing to " + type + " failed (code " + std::to_string(rc) + ")");
+    }
+}
+
+}  // namespace
+
+void bind_measure(py::module_ & m) {
+    m.def("time_passes", &time_passes, py::arg("model"), py::arg("n_rows"), py::arg("n_context"),
+          py::arg("repeats"),
+          "For each row count, milliseconds of `repeats` target passes of that many rows after n_context cached tokens.");
+    m.def("memory_read_bandwidth", &memory_read_bandwidth, py::arg("n_threads"), py::arg("mib") = 1024,
+          py::arg("repeats") = 5, "GB/s read by n_threads threads summing a buffer of `mib` MiB (best of repeats).");
+    m.def("quantize", &quantize, py::arg("src"), py::arg("dst"), py::arg("type"), py::arg("n_threads") = 0,
+          "Requantize the GGUF at src to dst (Q4_0, Q4_1, Q8_0, Q4_K_M, Q6_K, IQ4_NL, IQ4_XS).");
+}
+
+}  // namespace ikdflash
