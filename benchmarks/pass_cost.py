@@ -74,7 +74,7 @@ def main() -> None:
                 path = Path(tmp) / f"{type_name}.gguf"
                 _core.quantize(str(args.target), str(path), type_name, args.threads)
             size_mb = path.stat().st_size / 1e6
-            floor_ms = size_mb / 1e3 / bandwidth * 1e3
+            floor_ms = size_mb / bandwidth  # MB over GB/s: milliseconds
             for repack in (False, True):
                 try:
                     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:

@@ -5,6 +5,7 @@
 #include "model.h"
 
 #include "dflash.h"
+#include "dflash-impl.h"
 #include "dflash-mask.h"
 
 #include <pybind11/numpy.h>
@@ -522,14 +523,7 @@ py::tuple layer_features(Model & model, const std::vector<llama_token> & tokens,
         llama_kv_cache_clear(ctx);
         for (int i = 0; i < n && error.empty(); i += n_batch) {
             const int m = std::min(n_batch, n - i);
-            batch.n_tokens = m;
-            for (int j = 0; j < m; ++j) {
-                batch.token[j] = tokens[i + j];
-                batch.pos[j] = i + j;
-                batch.n_seq_id[j] = 1;
-                batch.seq_id[j][0] = 0;
-                batch.logits[j] = true;
-            }
+            dflash_impl::fill_seq0_batch(batch, tokens.data() + i, m, i, true);
             if (capture) {
                 dflash_capture_begin(capture.get(), true);
             }

@@ -4,7 +4,8 @@
 
 #include "model.h"
 
-#include <chrono>
+#include "dflash-impl.h"
+
 #include <map>
 #include <thread>
 #include <vector>
@@ -13,9 +14,7 @@ namespace ikdflash {
 
 namespace {
 
-double now_ms() {
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+using dflash_impl::now_ms;
 
 // For each row count in n_rows, the times of `repeats` passes of that many rows at positions
 // n_context.. (every row's logits kept, as in a verification pass), each from the same n_context
@@ -40,20 +39,15 @@ std::vector<std::vector<double>> time_passes(Model & model, const std::vector<in
     if (repeats < 1) {
         throw py::value_error("repeats must be at least 1, got " + std::to_string(repeats));
     }
-    const int n_vocab = model.n_vocab();
-    auto token_at = [n_vocab](int pos) { return (17 * pos + 100) % n_vocab; };  // any ids: cost does not depend on them
+    std::vector<llama_token> tokens(n_context + most);  // any ids: the cost does not depend on them
+    for (size_t pos = 0; pos < tokens.size(); ++pos) {
+        tokens[pos] = (17 * (int) pos + 100) % model.n_vocab();
+    }
     std::vector<std::vector<double>> times(n_rows.size());
     const std::string error = model.exclusive([&]() -> std::string {
         llama_batch batch = llama_batch_init(n_batch, 0, 1);
         auto decode = [&](int pos0, int n, bool all_logits) {
-            batch.n_tokens = n;
-            for (int j = 0; j < n; ++j) {
-                batch.token[j] = token_at(pos0 + j);
-                batch.pos[j] = pos0 + j;
-                batch.n_seq_id[j] = 1;
-                batch.seq_id[j][0] = 0;
-                batch.logits[j] = all_logits || j == n - 1;
-            }
+            dflash_impl::fill_seq0_batch(batch, tokens.data() + pos0, n, pos0, all_logits);
             return llama_decode(ctx, batch);
         };
         std::string failure;

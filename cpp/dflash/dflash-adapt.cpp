@@ -6,7 +6,6 @@
 #include "dflash-impl.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <deque>
@@ -16,6 +15,7 @@
 using dflash_impl::fail;
 using dflash_impl::fail_argument;
 using dflash_impl::guarded;
+using dflash_impl::now_ms;
 
 namespace {
 
@@ -49,10 +49,6 @@ constexpr double k_scale_weight = 0.1;
 constexpr double k_shape_weight = 0.05;
 constexpr double k_outlier = 3.0;
 constexpr int k_calibration_rounds = 3;
-
-double now_ms() {
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 double clamped(double value, double estimate) {
     return std::clamp(value, estimate / k_outlier, estimate * k_outlier);
@@ -310,15 +306,9 @@ int dflash_costs_calibrate(dflash_costs * costs, llama_context * ctx) {
             fail("cannot time passes of %d rows with n_batch %d", max_rows, (int) llama_n_batch(ctx));
         }
         llama_batch batch = llama_batch_init(max_rows, 0, 1);
+        const std::vector<llama_token> tokens(max_rows, 0);  // any ids: the cost does not depend on them
         auto pass = [&](int rows) {
-            batch.n_tokens = rows;
-            for (int j = 0; j < rows; ++j) {
-                batch.token[j] = 0;  // any id: the cost does not depend on it
-                batch.pos[j] = j;
-                batch.n_seq_id[j] = 1;
-                batch.seq_id[j][0] = 0;
-                batch.logits[j] = true;  // as a verification pass
-            }
+            dflash_impl::fill_seq0_batch(batch, tokens.data(), rows, 0, true);  // as a verification pass
             llama_kv_cache_clear(ctx);
             const double t0 = now_ms();
             const int rc = llama_decode(ctx, batch);

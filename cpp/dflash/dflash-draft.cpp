@@ -297,6 +297,10 @@ struct dflash_cache {
     }
 
     int n_pending() const { return (int) pending_pos.size(); }
+    void keep_pending(int n) {  // the oldest n pending rows stay
+        pending_pos.resize(n);
+        pending_features.resize((size_t) n * draft->n_target_features);
+    }
 
     void clear_rings() {
         for (auto & cl : layers) {
@@ -798,8 +802,7 @@ void flush_pending(dflash_draft & d, dflash_cache & c) {
             c.history.push(fused.data() + (size_t) j * d.n_embd, c.pending_pos[i + j]);
         }
     }
-    c.pending_features.clear();
-    c.pending_pos.clear();
+    c.keep_pending(0);
 }
 
 // One draft step. The whole block runs through the layers (attention needs every row), but the
@@ -982,8 +985,7 @@ dflash_cache * dflash_cache_init(dflash_draft * d, int cross_ctx, bool full_atte
 void dflash_cache_free(dflash_cache * c) { delete c; }
 
 void dflash_cache_clear(dflash_cache * c) {
-    c->pending_features.clear();
-    c->pending_pos.clear();
+    c->keep_pending(0);
     c->clear_rings();
     c->history.count = c->history.start = 0;
     c->stale = false;
@@ -995,8 +997,7 @@ void dflash_cache_truncate(dflash_cache * c, int32_t pos) {
     while (keep > 0 && c->pending_pos[keep - 1] >= pos) {
         --keep;
     }
-    c->pending_pos.resize(keep);
-    c->pending_features.resize((size_t) keep * c->draft->n_target_features);
+    c->keep_pending(keep);
     c->history.drop_from(pos);
     for (auto & cl : c->layers) {
         // rows arrive in increasing positions, so the rows to drop are the newest ones
@@ -1110,8 +1111,7 @@ int dflash_cache_state_set(dflash_cache * c, const uint8_t * src, size_t size) {
         }
         const int32_t * pos = (const int32_t *) (src + sizeof(head));
         const float * rows = (const float *) (pos + head.count);
-        c->pending_features.clear();
-        c->pending_pos.clear();
+        c->keep_pending(0);
         for (int i = 0; i < head.count; ++i) {
             if (pos[i] < 0 || (i > 0 && pos[i] <= pos[i - 1]) || pos[i] > head.last_pos) {
                 fail("the cross-context state's positions are not increasing");

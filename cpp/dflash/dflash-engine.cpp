@@ -13,7 +13,6 @@
 #include "llama-model.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -23,14 +22,7 @@
 using dflash_impl::fail;
 using dflash_impl::fail_argument;
 using dflash_impl::guarded;
-
-namespace {
-
-double now_ms() {
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-}  // namespace
+using dflash_impl::now_ms;
 
 // Copies the outputs of the draft's target layers ("l_out-<il>") out of every target pass, through
 // the context's layer tap: the graph keeps them as outputs and hands them over once computed.
@@ -197,14 +189,7 @@ struct dflash_engine {
             batch = llama_batch_init(n, 0, 1);
             batch_capacity = n;
         }
-        batch.n_tokens = n;
-        for (int j = 0; j < n; ++j) {
-            batch.token[j] = tokens[j];
-            batch.pos[j] = pos0 + j;
-            batch.n_seq_id[j] = 1;
-            batch.seq_id[j][0] = 0;
-            batch.logits[j] = all_logits || j == n - 1;
-        }
+        dflash_impl::fill_seq0_batch(batch, tokens, n, pos0, all_logits);
         capture_rows = capture_rows && capture != nullptr;
         if (capture_rows) {
             dflash_capture_begin(capture.get(), true);

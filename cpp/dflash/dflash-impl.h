@@ -1,8 +1,12 @@
-// Error handling shared by the DFlash runtime's files: internal code throws dflash_error; the C
-// entry points catch it and keep the message for dflash_last_error().
+// What the DFlash runtime's files (and the bindings' measurements) share: error handling (internal
+// code throws dflash_error; the C entry points catch it and keep the message for
+// dflash_last_error()), the clock, and the batch of a target pass.
 
 #pragma once
 
+#include "llama.h"
+
+#include <chrono>
 #include <cstdio>
 #include <exception>
 #include <stdexcept>
@@ -54,6 +58,22 @@ R guarded(F && body, R on_error) {
     } catch (const std::exception & e) {
         last_error = e.what();
         return on_error;
+    }
+}
+
+inline double now_ms() {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// batch = n tokens of sequence 0 at positions pos0.., with logits for every row or the last only.
+inline void fill_seq0_batch(llama_batch & batch, const llama_token * tokens, int n, llama_pos pos0, bool all_logits) {
+    batch.n_tokens = n;
+    for (int j = 0; j < n; ++j) {
+        batch.token[j] = tokens[j];
+        batch.pos[j] = pos0 + j;
+        batch.n_seq_id[j] = 1;
+        batch.seq_id[j][0] = 0;
+        batch.logits[j] = all_logits || j == n - 1;
     }
 }
 
