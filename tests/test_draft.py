@@ -272,6 +272,48 @@ def test_upstream_dflash_format_loads_the_same(target, drafts, tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
+def test_a_head_cut_to_the_trained_ids_scores_only_those(target, drafts, tmp_path):
+    """A draft trained over a subset of the vocabulary (dflash.head_token_ids) scores exactly the
+    subset's logits of the whole head, proposes the best of them, and leaves the rest at -inf."""
+    _, hf, model = target
+    folder = drafts["swa-5+1"][0]
+    whole = _core.Draft(model, str(drafts["swa-5+1"][1]))
+    n_vocab = model.n_vocab
+    ids = sorted(np.random.default_rng(3).choice(n_vocab, n_vocab // 3, replace=False).tolist())
+    config = json.loads((folder / "config.json").read_text())
+    config["dflash_config"]["head_token_ids"] = ids
+    cut_folder = tmp_path / "cut"
+    cut_folder.mkdir()
+    (cut_folder / "config.json").write_text(json.dumps(config))
+    (cut_folder / "model.safetensors").symlink_to(folder / "model.safetensors")
+    cut = _core.Draft(model, str(convert(cut_folder, hf, outtype="f32", outfile=tmp_path / "cut.gguf",
+                                         log=lambda _: None)))
+    assert (cut.info()["n_head_tokens"], whole.info()["n_head_tokens"]) == (len(ids), n_vocab)
+    features = context(20, whole.info()["n_target_features"])
+    pos = np.arange(0, 20, dtype=np.int32)
+    full_logits, _ = whole.forward(features, pos, 65, 20)
+    logits, tokens = cut.forward(features, pos, 65, 20)
+    np.testing.assert_allclose(logits[:, ids], full_logits[:, ids], rtol=1e-5, atol=1e-5)
+    others = np.setdiff1d(np.arange(n_vocab), ids)
+    assert np.all(np.isneginf(logits[:, others]))
+    assert tokens == [ids[i] for i in full_logits[1:, ids].argmax(axis=1)]
+    assert tokens != list(full_logits[1:].argmax(axis=1))  # the cut changed at least one proposal
+
+
+@pytest.mark.parametrize("ids,message", [
+    ([5, 3], "entry 1 (3) is not a token id of the target"),
+    ([0, 10**6], "entry 1 (1000000) is not a token id"),
+    ([], "must be a list of 1.."),
+])
+def test_converter_refuses_bad_head_token_ids(target, tmp_path, ids, message):
+    test_converter_errors(target, tmp_path, {"head_token_ids": ids}, message)
+
+
+def test_loader_refuses_bad_head_token_ids(target, drafts, tmp_path):
+    bad = rewrite(drafts["swa-5+1"][1], tmp_path / "bad.gguf", fields={"dflash-draft.dflash.head_token_ids": [7, 7]})
+    assert "head_token_ids': entry 1 (7) is outside the vocabulary" in load_error(target[2], bad)
+
+
 # --- bad input -------------------------------------------------------------------------------
 
 def load_error(model, path) -> str:

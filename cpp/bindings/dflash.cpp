@@ -95,6 +95,7 @@ public:
         out["causal"] = causal;
         out["target_layer_ids"] = ids;
         out["n_target_features"] = dflash_draft_n_target_features(draft_);
+        out["n_head_tokens"] = dflash_draft_n_head_tokens(draft_);
         return out;
     }
 

@@ -136,6 +136,33 @@ struct gguf_meta {
     }
 };
 
+// The token ids of an integer array key: increasing, each in [0, n_vocab) (empty when absent).
+std::vector<llama_token> read_token_ids(const gguf_meta & m, const std::string & key, int n_vocab) {
+    const int id = m.find(key);
+    std::vector<llama_token> out;
+    if (id < 0) {
+        return out;
+    }
+    const int type = gguf_get_kv_type(m.ctx, id) == GGUF_TYPE_ARRAY ? gguf_get_arr_type(m.ctx, id) : -1;
+    if (type != GGUF_TYPE_INT32 && type != GGUF_TYPE_UINT32) {
+        fail("key '%s' must be an array of int32 token ids", key.c_str());
+    }
+    const size_t n = gguf_get_arr_n(m.ctx, id);
+    if (n < 1 || n > (size_t) n_vocab) {
+        fail("key '%s' lists %zu token ids; a vocabulary of %d has 1..%d", key.c_str(), n, n_vocab, n_vocab);
+    }
+    const void * data = gguf_get_arr_data(m.ctx, id);
+    for (size_t i = 0; i < n; ++i) {
+        const int64_t t = type == GGUF_TYPE_INT32 ? ((const int32_t *) data)[i] : ((const uint32_t *) data)[i];
+        if (t < 0 || t >= n_vocab || (i > 0 && t <= out.back())) {
+            fail("key '%s': entry %zu (%lld) is outside the vocabulary (%d tokens) or not above the one before it",
+                 key.c_str(), i, (long long) t, n_vocab);
+        }
+        out.push_back((llama_token) t);
+    }
+    return out;
+}
+
 // How the two draft formats name things (docs: gguf-dflash.md §4.4).
 struct draft_format {
     const char * arch;
@@ -179,6 +206,12 @@ struct dflash_draft {
     ggml_tensor * fc = nullptr, * hidden_norm = nullptr, * output_norm = nullptr;
     ggml_tensor * tok_embd = nullptr, * output = nullptr;
     std::vector<draft_layer> layers;
+    // The ids the draft's head scores, increasing, when the file names a subset of the vocabulary
+    // (dflash.head_token_ids; empty: all of it). The head is then those rows of the output matrix,
+    // copied into a tensor of ours at load: a step reads a fraction of the vocabulary's weights.
+    std::vector<llama_token> head_ids;
+    ggml_context * ctx_head = nullptr;
+    ggml_backend_buffer_t buf_head = nullptr;
 
     // Where the weights and cross-contexts live: the accelerator's memory when device is set, else
     // the CPU's. The CPU backend always takes part: it computes what reads host memory (the
@@ -197,6 +230,8 @@ struct dflash_draft {
         if (sched_step) ggml_backend_sched_free(sched_step);
         if (buf_w) ggml_backend_buffer_free(buf_w);
         if (ctx_w) ggml_free(ctx_w);
+        if (buf_head) ggml_backend_buffer_free(buf_head);
+        if (ctx_head) ggml_free(ctx_head);
         if (device) ggml_backend_free(device);
         if (cpu) ggml_backend_free(cpu);
     }
@@ -518,6 +553,7 @@ void check_against_target(dflash_draft & d, const gguf_meta & m, const llama_mod
         }
     }
     d.n_vocab = n_vocab;
+    d.head_ids = read_token_ids(m, m.prefix + "dflash.head_token_ids", n_vocab);
     if (d.mask_token < 0 || d.mask_token >= n_vocab) {
         fail("mask token %d is outside the vocabulary (%d tokens)", d.mask_token, n_vocab);
     }
@@ -621,6 +657,34 @@ void load_weights(dflash_draft & d, gguf_context * gctx) {
     }
 }
 
+// The head cut to head_ids: those rows of the output matrix, copied as stored into a tensor where
+// the draft runs, so each scores exactly what it does in the whole head. Copying rows needs a
+// row-major type: a head repacked at load interleaves its rows.
+void cut_head(dflash_draft & d) {
+    const ggml_tensor * full = d.output;
+    if (!is_matrix_type(full->type)) {
+        fail("the draft scores %zu of the %d tokens (dflash.head_token_ids), taken from the output matrix, which "
+             "is stored as %s, whose rows cannot be taken apart (repacked at load?): load the target without "
+             "run-time repacking, or convert the draft without head_token_ids", d.head_ids.size(), d.n_vocab,
+             ggml_type_name(full->type));
+    }
+    ggml_init_params params = {ggml_tensor_overhead(), nullptr, /*no_alloc=*/true};
+    d.ctx_head = ggml_init(params);
+    ggml_tensor * head = ggml_new_tensor_2d(d.ctx_head, full->type, full->ne[0], (int64_t) d.head_ids.size());
+    ggml_set_name(head, "dflash_head");
+    d.buf_head = ggml_backend_alloc_ctx_tensors_from_buft(d.ctx_head, d.buft);
+    if (d.buf_head == nullptr) {
+        fail("could not allocate memory for the draft's head (%zu rows)", d.head_ids.size());
+    }
+    const size_t row = ggml_row_size(full->type, full->ne[0]);
+    std::vector<uint8_t> rows(row * d.head_ids.size());
+    for (size_t i = 0; i < d.head_ids.size(); ++i) {
+        ggml_backend_tensor_get(full, rows.data() + i * row, (size_t) d.head_ids[i] * full->nb[1], row);
+    }
+    ggml_backend_tensor_set(head, rows.data(), 0, rows.size());
+    d.output = head;
+}
+
 std::unique_ptr<dflash_draft> load(const char * path, const llama_model * target, const dflash_draft_params & params) {
     if (target == nullptr) {
         fail("no target model given");
@@ -657,6 +721,9 @@ std::unique_ptr<dflash_draft> load(const char * path, const llama_model * target
 
     place(*d, target, params);
     load_weights(*d, gctx);
+    if (!d->head_ids.empty()) {
+        cut_head(*d);
+    }
     d->graph_meta.resize(ggml_tensor_overhead() * k_max_graph_nodes + ggml_graph_overhead_custom(k_max_graph_nodes, false));
     return d;
 }
@@ -805,6 +872,23 @@ void flush_pending(dflash_draft & d, dflash_cache & c) {
     c.keep_pending(0);
 }
 
+// The step's logits, n_rows x n_vocab floats; a cut head leaves the ids it does not score at -inf.
+void read_logits(const dflash_draft & d, ggml_tensor * logits, int n_rows, float * out) {
+    if (d.head_ids.empty()) {
+        ggml_backend_tensor_get(logits, out, 0, ggml_nbytes(logits));
+        return;
+    }
+    const size_t n_ids = d.head_ids.size();
+    std::vector<float> scored(n_ids * n_rows);
+    ggml_backend_tensor_get(logits, scored.data(), 0, ggml_nbytes(logits));
+    std::fill(out, out + (size_t) n_rows * d.n_vocab, -INFINITY);
+    for (int r = 0; r < n_rows; ++r) {
+        for (size_t i = 0; i < n_ids; ++i) {
+            out[(size_t) r * d.n_vocab + d.head_ids[i]] = scored[r * n_ids + i];
+        }
+    }
+}
+
 // One draft step. The whole block runs through the layers (attention needs every row), but the
 // head, which costs more than the layers for a large vocabulary, runs only on block rows
 // head_row0 .. head_row0 + n_head - 1. The first-maximum argmax of every head row past row 0 goes
@@ -903,12 +987,13 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
     }
     d.compute(d.sched_step, gf, "the draft step");
     if (logits_out) {
-        ggml_backend_tensor_get(logits, logits_out, 0, ggml_nbytes(logits));
+        read_logits(d, logits, n_head, logits_out);
     }
     std::vector<int32_t> best(n_head);
     ggml_backend_tensor_get(ids, best.data(), 0, ggml_nbytes(ids));
     for (int j = std::max(1, head_row0); j < head_row0 + n_head; ++j) {
-        tokens_out[j - 1] = best[j - head_row0];
+        const int32_t i = best[j - head_row0];
+        tokens_out[j - 1] = d.head_ids.empty() ? i : d.head_ids[i];
     }
 }
 
@@ -948,6 +1033,7 @@ int  dflash_draft_n_target_layers(const dflash_draft * d) { return (int) d->targ
 int  dflash_draft_target_layer_id(const dflash_draft * d, int i) { return d->target_ids.at(i); }
 int  dflash_draft_n_target_features(const dflash_draft * d) { return d->n_target_features; }
 const char * dflash_draft_format(const dflash_draft * d) { return d->format->arch; }
+int  dflash_draft_n_head_tokens(const dflash_draft * d) { return d->head_ids.empty() ? d->n_vocab : (int) d->head_ids.size(); }
 const char * dflash_draft_device(const dflash_draft * d) { return ggml_backend_name(d->device ? d->device : d->cpu); }
 
 dflash_cache * dflash_cache_init(dflash_draft * d, int cross_ctx, bool full_attention) {

@@ -62,6 +62,9 @@ LLAMA_API int  dflash_draft_n_target_layers(const dflash_draft * draft);
 LLAMA_API int  dflash_draft_target_layer_id(const dflash_draft * draft, int i);
 LLAMA_API int  dflash_draft_n_target_features(const dflash_draft * draft);
 LLAMA_API const char * dflash_draft_format(const dflash_draft * draft);            // "dflash-draft" | "dflash"
+// The ids the draft's head scores: a subset the draft was trained on (dflash.head_token_ids), whose
+// rows of the output matrix are all a step reads, or the whole vocabulary.
+LLAMA_API int  dflash_draft_n_head_tokens(const dflash_draft * draft);
 
 // Cross-context for one sequence. Full-attention layers keep the newest cross_ctx rows; sliding
 // layers never keep more than their window needs (window - 1 rows), so their memory and attention

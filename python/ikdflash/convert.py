@@ -96,6 +96,8 @@ class DraftHeader:
     input_embedding_scale: float | None = None
     output_multiplier: float | None = None
     final_logit_softcapping: float | None = None
+    # ikdflash's own: the ids the draft's head scores (those it was trained on), None = all
+    head_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -155,6 +157,20 @@ def _section(config: Mapping[str, Any], name: str, where: str) -> Mapping[str, A
     if not isinstance(value, dict):
         raise ConversionError(f"{where}: '{name}' must be an object, got {value!r}")
     return value
+
+
+def _head_token_ids(config: Mapping[str, Any], n_vocab: int, where: str) -> list[int] | None:
+    """dflash_config.head_token_ids: increasing ids in the target's vocabulary."""
+    ids = _draft_value(config, "head_token_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not 1 <= len(ids) <= n_vocab:
+        raise ConversionError(f"{where}: 'head_token_ids' must be a list of 1..{n_vocab} token ids")
+    for i, t in enumerate(ids):
+        if type(t) is not int or not 0 <= t < n_vocab or (i and t <= ids[i - 1]):
+            raise ConversionError(f"{where}: 'head_token_ids' entry {i} ({t!r}) is not a token id of the "
+                                  f"target ({n_vocab} tokens) above the one before it")
+    return ids
 
 
 def _rope_theta(config: Mapping[str, Any], where: str) -> float:
@@ -270,6 +286,7 @@ def read_draft_header(config: Mapping[str, Any], target: TargetInfo, where: str)
         input_embedding_scale=optional_float("input_embedding_scale"),
         output_multiplier=optional_float("output_multiplier"),
         final_logit_softcapping=optional_float("final_logit_softcapping"),
+        head_token_ids=_head_token_ids(config, target.n_vocab, where),
     )
 
 
@@ -476,6 +493,8 @@ def write_header(writer: gguf.GGUFWriter, header: DraftHeader, outtype: str) -> 
         value = getattr(header, name)
         if value is not None:
             writer.add_float32(f"{a}.dflash.{name}", value)
+    if header.head_token_ids is not None:
+        writer.add_array(f"{a}.dflash.head_token_ids", header.head_token_ids)
 
 
 def add_tokenizer_fields(writer: gguf.GGUFWriter, tokenizer: Mapping[str, Any]) -> None:
