@@ -98,6 +98,25 @@ def test_a_decode_just_past_256_cached_keys_is_the_same_on_one_or_two_threads(ti
     assert np.allclose(one, two, rtol=0, atol=1e-4), (one, two)
 
 
+def test_many_answers_side_by_side_are_each_answer_alone(tiny_model):
+    """generate_many decodes several sequences per pass (the draft's training data): greedy, each
+    answer is what the model says to that prompt alone; sampled, the seed decides, not the grouping."""
+    with Model(tiny_model("llama"), n_ctx=256) as model:
+        prompts = [model.tokenize(t) for t in ("the river", "a town and its", "bridges over the water of the", "x")]
+        alone = [model.generate(p, max_tokens=24).tokens for p in prompts]
+        assert model.generate_many(prompts, max_tokens=24, n_parallel=3) == alone
+        sampled = model.generate_many(prompts, max_tokens=24, temperatures=[0.0, 1.5], seed=5, n_parallel=2)
+        assert sampled == model.generate_many(prompts, max_tokens=24, temperatures=[0.0, 1.5], seed=5, n_parallel=4)
+        assert sampled[0::2] == alone[0::2] and sampled[1::2] != alone[1::2]
+        assert model.generate_many([], max_tokens=4) == []
+        with pytest.raises(ValueError, match="a prompt is empty"):
+            model.generate_many([[1], []], max_tokens=4)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            model.generate_many([[10**6]], max_tokens=4)
+        with pytest.raises(ValueError, match="temperatures must be"):
+            model.generate_many(prompts, max_tokens=4, temperatures=[-1.0])
+
+
 def test_generation_stops_at_the_context_limit(tiny_model):
     with Model(tiny_model("llama"), n_ctx=64) as model:
         prompt = model.tokenize(TEXT, add_special=False)

@@ -6,6 +6,7 @@
 namespace ikdflash {
 void bind_dflash(py::module_ & m);
 void bind_measure(py::module_ & m);
+void bind_answers(py::module_ & m);
 py::tuple layer_features(Model & model, const std::vector<llama_token> & tokens, const std::vector<int32_t> & layer_ids);
 }
 
@@ -66,4 +67,5 @@ PYBIND11_MODULE(_core, m) {
 
     bind_dflash(m);
     bind_measure(m);
+    bind_answers(m);
 }
