@@ -195,6 +195,35 @@ def test_a_second_run_resumes(trained):
     assert stages[1]["command"].startswith("ikdflash train --target") and "--max-steps 5" in stages[1]["command"]
 
 
+def test_answers_beside_the_corpus_with_a_cut_head_and_one_schedule(target, tmp_path):
+    """--kind generated with --corpus-rows: the target's own answers (decoded side by side) and
+    corpus rows in one run; the head cut to the ids the data uses most is exported, so the fork's
+    draft scores exactly those; --total-minutes bounds every run of the folder together."""
+    corpus = write_corpus(tmp_path / "chats.jsonl", 40)
+    out = tmp_path / "run"
+    argv = ["train", "--target", str(target), "--out", str(out), "--corpus", str(corpus), "--kind", "generated",
+            "--data-rows", "1500", "--corpus-rows", "1500", "--data-share", "0.7", "--seq-len", "256",
+            "--window", "8", "--block-size", "5", "--layout", "all-sliding", "--head-vocab", "100",
+            "--total-minutes", "0.02", "--minutes", "5", "--outtype", "f32", "--eval-prompts", "2",
+            "--eval-tokens", "16", "--threads", "2"]
+    assert main(argv) == 0
+    answers = json.loads((out / "data" / "meta.json").read_text())
+    assert answers["kind"] == "generated" and answers["n_rows"] >= 1500
+    assert json.loads((out / "data-corpus" / "meta.json").read_text())["n_rows"] >= 1500
+    ids = json.loads((out / "draft-hf" / "config.json").read_text())["dflash_config"]["head_token_ids"]
+    assert len(ids) == 100 and ids == sorted(ids)
+    model = _core.Model(str(target), n_ctx=256)
+    draft = _core.Draft(model, str(out / "draft.gguf"))
+    assert draft.info()["n_head_tokens"] == 100 and draft.info()["block_size"] == 5
+    _, tokens = draft.forward(np.zeros((4, draft.info()["n_target_features"]), np.float32),
+                              np.arange(4, dtype=np.int32), 65, 4)
+    assert set(tokens) <= set(ids)
+    # the schedule is spent: the same command again resumes and trains no further step
+    steps = json.loads((out / "stages.json").read_text())[-1]["to_step"]
+    assert main(argv) == 0
+    assert json.loads((out / "stages.json").read_text())[-1]["to_step"] == steps
+
+
 def test_refresh_recomputes_features_for_the_same_tokens_and_resumes(trained, target, tmp_path, capsys):
     """Features made by an earlier fork (here: zeroed, labels wiped) come back as the target
     computes them now, for the same tokens; a refresh stopped halfway goes on where it stopped."""

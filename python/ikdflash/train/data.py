@@ -179,15 +179,17 @@ def conversation_pieces(template: str, messages: Sequence[tuple[str, str]]) -> l
 # kind "generated": the temperature of each answer in turn (greedy, every fourth one sampled, so
 # the draft also sees the target's less likely continuations)
 ANSWER_TEMPERATURES = (0.0, 0.0, 0.0, 0.8)
+# answers decoded side by side (Model.generate_many); prompts are handed out in groups of 4x that
+N_PARALLEL = 16
 
 
 def build(target: str | os.PathLike[str], conversations: Iterable[Conversation], folder: str | os.PathLike[str], *,
           layer_ids: Sequence[int], kind: str = "corpus", max_rows: int, seq_len: int = 1024,
           answer_tokens: int = 256, temperatures: Sequence[float] = ANSWER_TEMPERATURES, n_threads: int | None = None,
-          seed: int = 0, system: str | None = None, progress: bool = True) -> Dataset:
+          seed: int = 0, system: str | None = None, n_parallel: int = N_PARALLEL, progress: bool = True) -> Dataset:
     """Add sequences to the data folder until it holds max_rows rows (resuming where it stopped).
     system: a system message put first in every conversation (None: the template's default)."""
-    from ikdflash.engine import Engine
+    from ikdflash.model import Model
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -195,48 +197,75 @@ def build(target: str | os.PathLike[str], conversations: Iterable[Conversation],
         raise ValueError("max_rows must be >= 1 and seq_len >= 16")
     folder = Path(folder)
     template = chat_template(target)
-    engine = Engine(target, n_ctx=seq_len + answer_tokens, n_batch=512, n_threads=n_threads)
-    model = engine.target
+    model = Model(target, n_ctx=seq_len + answer_tokens, n_batch=512, n_threads=n_threads)
     request = {"target": os.path.basename(os.fspath(target)), "n_embd": model.n_embd, "n_vocab": model.n_vocab,
                "layer_ids": list(layer_ids), "width": len(layer_ids) * model.n_embd, "kind": kind,
                "seq_len": seq_len, "system": system}
     meta = _start_meta(folder, request)
     if meta["n_rows"] >= max_rows:  # already there: leave the folder untouched (runs may share it)
-        engine.close()
+        model.close()
         return open_dataset(folder)
     writer = _Writer(folder, meta)
     head = [("system", system)] if system else []
+    todo = ((i, c) for i, c in enumerate(conversations) if i >= meta["conversations_done"])
+    if kind == "corpus":
+        sequences = _corpus_sequences(model, template, head, todo, seq_len)
+    else:
+        sequences = _answer_sequences(model, template, head, todo, max(64, seq_len - answer_tokens), answer_tokens,
+                                      temperatures, seed, n_parallel)
     try:
-        for index, conv in enumerate(conversations):
+        for index, tokens, trainable in sequences:
+            meta["conversations_done"] = index + 1
+            if sum(trainable) >= 2:
+                features, greedy = model._native.layer_features(tokens, list(layer_ids))
+                writer.append(tokens, greedy, np.array(trainable, dtype=np.uint8), features)
+                writer.tick(max_rows, progress)
             if meta["n_rows"] >= max_rows:
                 break
-            if index < meta["conversations_done"]:
-                continue
-            if kind == "corpus":
-                tokens, trainable = [], []
-                for text, assistant in conversation_pieces(template, [*head, *conv.messages]):
-                    piece = model.tokenize(text, add_special=False, parse_special=True)
-                    tokens += piece
-                    trainable += [assistant] * len(piece)
-                tokens, trainable = tokens[:seq_len], trainable[:seq_len]
-            else:
-                prompt = model.tokenize(render(template, [*head, ("user", conv.first_user_turn)],
-                                               add_generation_prompt=True),
-                                        add_special=False, parse_special=True)[-(seq_len - answer_tokens):]
-                temperature = temperatures[index % len(temperatures)]
-                answer = engine.generate(prompt, max_tokens=answer_tokens, temperature=temperature, seed=seed + index)
-                tokens = prompt + answer.tokens
-                trainable = [False] * len(prompt) + [True] * len(answer.tokens)
-            meta["conversations_done"] = index + 1
-            if sum(trainable) < 2:
-                continue
-            features, greedy = model._native.layer_features(tokens, list(layer_ids))
-            writer.append(tokens, greedy, np.array(trainable, dtype=np.uint8), features)
-            writer.tick(max_rows, progress)
     finally:
         writer.close()
-        engine.close()
+        model.close()
     return open_dataset(folder)
+
+
+Sequences = Iterable[tuple[int, list[int], list[bool]]]  # (conversation index, tokens, trainable)
+
+
+def _corpus_sequences(model, template: str, head: list, todo: Iterable[tuple[int, Conversation]],
+                      seq_len: int) -> Sequences:
+    """Each whole conversation, its assistant turns trainable."""
+    for index, conv in todo:
+        tokens, trainable = [], []
+        for text, assistant in conversation_pieces(template, [*head, *conv.messages]):
+            piece = model.tokenize(text, add_special=False, parse_special=True)
+            tokens += piece
+            trainable += [assistant] * len(piece)
+        yield index, tokens[:seq_len], trainable[:seq_len]
+
+
+def _answer_sequences(model, template: str, head: list, todo: Iterable[tuple[int, Conversation]], prompt_len: int,
+                      answer_tokens: int, temperatures: Sequence[float], seed: int, n_parallel: int) -> Sequences:
+    """Each conversation's first user turn and the target's answer to it (trainable), decoded
+    n_parallel at a time; conversation i at temperatures[i % len] with seed seed + i."""
+    group: list[tuple[int, list[int]]] = []
+
+    def answered() -> Sequences:
+        first = group[0][0]  # indices in a group are consecutive
+        turn = first % len(temperatures)
+        answers = model.generate_many([p for _, p in group], max_tokens=answer_tokens, n_parallel=n_parallel,
+                                      temperatures=[*temperatures[turn:], *temperatures[:turn]], seed=seed + first)
+        for (index, prompt), answer in zip(group, answers):
+            yield index, prompt + answer, [False] * len(prompt) + [True] * len(answer)
+        group.clear()
+
+    for index, conv in todo:
+        prompt = model.tokenize(render(template, [*head, ("user", conv.first_user_turn)], add_generation_prompt=True),
+                                add_special=False, parse_special=True)[-prompt_len:]
+        group.append((index, prompt))
+        if len(group) == 4 * n_parallel:
+            yield from answered()
+    if group:
+        yield from answered()
 
 
 def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], folder: str | os.PathLike[str], *,

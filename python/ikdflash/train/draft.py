@@ -45,6 +45,7 @@ class DraftConfig:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 8192
     extra: dict = field(default_factory=dict)  # notes kept in config.json (how it was made)
+    head_token_ids: list[int] | None = None    # the ids the head scores (None: all); set by training
 
     @property
     def n_layer(self) -> int:
@@ -66,13 +67,14 @@ class DraftConfig:
             "use_sliding_window": any(self.sliding(i) for i in range(self.n_layer)),
             "sliding_window": self.sliding_window, "max_window_layers": self.n_layer,
             "num_target_layers": self.num_target_layers, "block_size": self.block_size,
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
+                              **({"head_token_ids": self.head_token_ids} if self.head_token_ids else {})},
             "ikdflash_train": self.extra,
         }
 
     def to_json(self) -> dict:
         """The architecture, without the notes (a resumed run must match it exactly)."""
-        return {k: v for k, v in asdict(self).items() if k != "extra"}
+        return {k: v for k, v in asdict(self).items() if k not in ("extra", "head_token_ids")}
 
 
 class RMSNorm(nn.Module):

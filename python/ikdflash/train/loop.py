@@ -13,8 +13,9 @@ text, a draft trained on those alone learns position 1 and little else). "corpus
 text's own next tokens instead.
 
 The embedding and head stay the target's, frozen. The head may be cut to the ids the labels use
-most (head_vocab), which makes a step several times cheaper; the shipped draft still scores the
-whole vocabulary.
+most (head_vocab), which makes a step several times cheaper; the cut is chosen once, kept in the
+checkpoint and exported (dflash_config.head_token_ids), so the fork's draft scores exactly the ids
+it was trained on, and reads a fraction of the head's weights each step.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class TrainSettings:
     snapshot_minutes: float = 0.0  # also keep the draft every so many minutes (0: never), for learning curves
     max_steps: int | None = None
     n_threads: int | None = None
+    # The learning-rate schedule's length over every run of the draft, minutes of training: a
+    # resumed run goes on along the same schedule and stops where it ends (None: each run
+    # schedules its own budget, so stages restart the warm-up and decay).
+    total_minutes: float | None = None
 
 
 @dataclass
@@ -144,18 +149,20 @@ class Batches:
                 "weight": torch.from_numpy(weight), "on_path": torch.from_numpy(on_path)}
 
 
-def head_subset(datasets: Sequence[Dataset], vocab: int, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """The ids the data's labels use most (all ids when size is 0 or covers them), and the map
-    from a vocabulary id to its row in the cut head (-1: not in it)."""
+def head_subset(datasets: Sequence[Dataset], vocab: int, size: int) -> np.ndarray:
+    """The ids the data's labels use most, increasing (all ids when size is 0 or covers them)."""
     if size <= 0 or size >= vocab:
-        ids = np.arange(vocab)
-    else:
-        counts = sum(np.bincount(np.asarray(d.greedy), minlength=vocab)
-                     + np.bincount(np.asarray(d.tokens), minlength=vocab) for d in datasets)
-        ids = np.sort(np.argsort(-counts, kind="stable")[:size])
+        return np.arange(vocab)
+    counts = sum(np.bincount(np.asarray(d.greedy), minlength=vocab)
+                 + np.bincount(np.asarray(d.tokens), minlength=vocab) for d in datasets)
+    return np.sort(np.argsort(-counts, kind="stable")[:size])
+
+
+def label_rows(ids: np.ndarray, vocab: int) -> np.ndarray:
+    """The map from a vocabulary id to its row in the cut head (-1: not in it)."""
     label_map = np.full(vocab, -1, dtype=np.int64)
     label_map[ids] = np.arange(len(ids))
-    return ids, label_map
+    return label_map
 
 
 def step_loss(model: DraftModel, batch: dict[str, torch.Tensor], head: torch.Tensor, weights: torch.Tensor,
@@ -198,16 +205,13 @@ def train(model: DraftModel, datasets: Sequence[Dataset], settings: TrainSetting
         torch.set_num_threads(settings.n_threads)
     torch.manual_seed(settings.seed)
     cfg = model.cfg
-    ids, label_map = head_subset(datasets, cfg.vocab_size, settings.head_vocab)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # minutes of a GPU are days of this CPU
     model.to(device)
-    head = model.head[torch.from_numpy(ids).to(device)]
-    weights = decay_weights(cfg.block_size, settings.gamma).to(device)
-    batches = Batches(datasets, cfg.block_size, cfg.mask_token_id, settings, label_map)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=settings.lr,
                                   betas=(0.9, 0.95), weight_decay=0.01)
     state = TrainState()
     rng = np.random.default_rng(settings.seed)
+    saved = None
     if os.path.exists(checkpoint):
         try:
             saved = torch.load(checkpoint, weights_only=False, map_location="cpu")
@@ -220,12 +224,18 @@ def train(model: DraftModel, datasets: Sequence[Dataset], settings: TrainSetting
         state = saved["state"]
         rng.bit_generator.state = saved["rng"]
         torch.set_rng_state(saved["torch_rng"])
+    # the head's cut is the draft's for good: a resumed run keeps it whatever data it adds
+    ids = saved["head_ids"] if saved is not None else head_subset(datasets, cfg.vocab_size, settings.head_vocab)
+    cfg.head_token_ids = [int(i) for i in ids] if len(ids) < cfg.vocab_size else None
+    head = model.head[torch.from_numpy(ids).to(device)]
+    weights = decay_weights(cfg.block_size, settings.gamma).to(device)
+    batches = Batches(datasets, cfg.block_size, cfg.mask_token_id, settings, label_rows(ids, cfg.vocab_size))
 
     def save() -> None:
         tmp = f"{checkpoint}.tmp"
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
                     "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
-                    "config": cfg.to_json()}, tmp)
+                    "config": cfg.to_json(), "head_ids": ids}, tmp)
         os.replace(tmp, checkpoint)
 
     budget = settings.minutes * 60
@@ -236,10 +246,15 @@ def train(model: DraftModel, datasets: Sequence[Dataset], settings: TrainSetting
     model.train()
     while True:
         elapsed = time.monotonic() - t0
-        if elapsed >= budget or (settings.max_steps is not None and run_steps >= settings.max_steps):
+        if settings.total_minutes:
+            fraction = (seconds_before + elapsed) / (settings.total_minutes * 60)
+        else:
+            fraction = elapsed / budget
+        if (elapsed >= budget or fraction >= 1.0
+                or (settings.max_steps is not None and run_steps >= settings.max_steps)):
             break
         for group in optimizer.param_groups:
-            group["lr"] = _lr(settings, state.step, elapsed / budget)
+            group["lr"] = _lr(settings, state.step, fraction)
         batch = {name: tensor.to(device) for name, tensor in batches.sample(rng).items()}
         loss, accepted = step_loss(model, batch, head, weights, settings.n_max)
         optimizer.zero_grad(set_to_none=True)
