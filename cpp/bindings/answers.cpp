@@ -1,7 +1,8 @@
 // The target's own answers to many prompts, decoded side by side: a draft's best training data
 // (ikdflash.train.data, kind "generated"). One sequence at a time, each token is a one-row pass
 // that reads all the weights; with n_parallel sequences in every pass, those weights are read
-// once for all of them, and a row costs a fraction of what it costs alone.
+// once for all of them. The sequences share the context's one KV cache, whose attention reads
+// every sequence's cells for every row, so the gain peaks at a few sequences.
 
 #include "model.h"
 
@@ -159,7 +160,7 @@ std::vector<std::vector<llama_token>> generate_answers(Model & model, const std:
 
 void bind_answers(py::module_ & m) {
     m.def("generate_answers", &generate_answers, py::arg("model"), py::arg("prompts"), py::arg("max_tokens"),
-          py::arg("temperatures") = std::vector<double>{0.0}, py::arg("seed") = 0, py::arg("n_parallel") = 16,
+          py::arg("temperatures") = std::vector<double>{0.0}, py::arg("seed") = 0, py::arg("n_parallel") = 4,
           py::arg("n_threads") = 0,
           "The target's answers to prompts, n_parallel decoded side by side (training data for a draft).");
 }

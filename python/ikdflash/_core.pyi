@@ -26,7 +26,7 @@ def memory_read_bandwidth(n_threads: int, mib: int = 1024, repeats: int = 5) -> 
 def quantize(src: str, dst: str, type: str, n_threads: int = 0) -> None:
     """Requantize the GGUF at src to dst: Q4_0, Q4_1, Q8_0, Q4_K_M, Q6_K, IQ4_NL or IQ4_XS."""
 def generate_answers(model: Model, prompts: list[list[int]], max_tokens: int, temperatures: list[float] = ...,
-                     seed: int = 0, n_parallel: int = 16, n_threads: int = 0) -> list[list[int]]:
+                     seed: int = 0, n_parallel: int = 4, n_threads: int = 0) -> list[list[int]]:
     """The target's answers to prompts, n_parallel decoded side by side in a context of their own
     (prompt i at temperatures[i % len], seed + i; each stops before an end-of-generation token)."""
 

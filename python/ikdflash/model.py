@@ -94,12 +94,13 @@ class Model:
         return Generation(text=self.detokenize(tokens).decode("utf-8", errors="replace"), tokens=tokens)
 
     def generate_many(self, prompts: Sequence[Sequence[int]], *, max_tokens: int = 64,
-                      temperatures: Sequence[float] = (0.0,), seed: int = 0, n_parallel: int = 16) -> list[list[int]]:
+                      temperatures: Sequence[float] = (0.0,), seed: int = 0, n_parallel: int = 4) -> list[list[int]]:
         """Answers to many prompts (token lists), decoded n_parallel side by side in a context of
         their own, each up to max_tokens and stopping before an end-of-generation token. Prompt i
         is decoded at temperatures[i % len(temperatures)] (0: greedy) and, when sampled, with the
-        seed seed + i. A pass over n_parallel rows costs far less than n_parallel one-row passes
-        on a CPU, so this makes training data (the target's own answers) several times cheaper."""
+        seed seed + i. A pass over a few rows costs little more than one on a CPU, so the target's
+        own answers (a draft's training data) cost less; but every row's attention reads every
+        sequence's cache cells, so beyond a few sequences the gain falls (benchmarks/answer_rate.py)."""
         if max_tokens < 1 or n_parallel < 1:
             raise ValueError(f"max_tokens and n_parallel must be at least 1, got {max_tokens}, {n_parallel}")
         if not temperatures or any(t < 0 for t in temperatures):

@@ -1,0 +1,115 @@
+"""The built-in pair's draft step with its head whole against cut to the ids the data uses most
+(dflash.head_token_ids), per number of tokens proposed, and what the cut does to acceptance.
+
+    python benchmarks/draft_head.py [--ids 16384 8192] [--tokens 96] [--repeats 3] [--json out.json]
+
+The cut is the --ids most frequent ids of the target's own greedy tokens over training
+conversations (never the held-out ones), written into a copy of the shipped draft. Each draft
+speculates greedily on chat questions at fixed n_max 1..4 (a step proposes n_max tokens); the
+drafts take turns within each repeat, in one process, and the medians of draft milliseconds per
+step are reported with acceptance: compare ratios, not absolute times (shared, noisy machines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+from ikdflash import Engine
+from ikdflash.chat import chat_template, render
+from ikdflash.hub import DEFAULT_PAIR, resolve_pair
+from ikdflash.model import Model
+from ikdflash.train.corpus import read_conversations
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from gguf_edit import rewrite
+
+SYSTEM = "You are a helpful assistant."
+QUESTIONS = ["Explain rainbows to a child.", "What is the capital of France, and why is it famous?",
+             "Give me three tips for learning to cook.", "Write a short poem about the sea."]
+
+
+def frequent_ids(target: Path, n_conversations: int = 200) -> np.ndarray:
+    """Ids by how often the target emits them greedily over training conversations, most first."""
+    template = chat_template(target)
+    with Model(target, n_ctx=1024) as model:
+        counts = np.zeros(model.n_vocab, dtype=np.int64)
+        done = 0
+        for conv in read_conversations(None):
+            if conv.held_out:
+                continue
+            text = render(template, list(conv.messages))
+            tokens = model.tokenize(text, add_special=False, parse_special=True)[:1024]
+            _, greedy = model._native.layer_features(tokens, [])
+            counts += np.bincount(greedy, minlength=model.n_vocab)
+            done += 1
+            if done == n_conversations:
+                break
+    return np.argsort(-counts, kind="stable")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ids", type=int, nargs="+", default=[16384, 8192])
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    target, shipped = resolve_pair(DEFAULT_PAIR)
+    ranked = frequent_ids(target)
+    key = next(k for k in gguf.GGUFReader(shipped).fields if k.endswith(".dflash.block_size")).replace(
+        "block_size", "head_token_ids")
+    with tempfile.TemporaryDirectory() as tmp:
+        drafts = {"whole": shipped}
+        for n in args.ids:
+            drafts[f"cut {n}"] = rewrite(shipped, Path(tmp) / f"cut-{n}.gguf",
+                                         fields={key: sorted(int(i) for i in ranked[:n])})
+        engines = {name: Engine(target, path, n_threads=args.threads) for name, path in drafts.items()}
+        template = chat_template(target)
+        prompts = [engines["whole"].target.tokenize(
+            render(template, [("system", SYSTEM), ("user", q)], add_generation_prompt=True),
+            add_special=False, parse_special=True) for q in QUESTIONS]
+        ms: dict[tuple[str, int], list[float]] = {}
+        accepted: dict[tuple[str, int], list[int]] = {}
+        for _ in range(args.repeats):
+            for n_max in (1, 2, 3, 4):
+                for name, engine in engines.items():
+                    steps = draft = 0.0
+                    for prompt in prompts:
+                        stats = engine.speculate(prompt, max_tokens=args.tokens, n_max=n_max, adaptive=False).stats
+                        steps += stats.steps
+                        draft += stats.draft_time
+                        accepted.setdefault((name, n_max), []).append(stats.accepted)
+                        accepted.setdefault((name, -n_max), []).append(stats.drafted)
+                    ms.setdefault((name, n_max), []).append(1e3 * draft / steps)
+        for engine in engines.values():
+            engine.close()
+
+    rows = []
+    print("draft ms per step (median of repeats), acceptance; proposing n tokens a step")
+    print(f"{'draft':>12} " + " ".join(f"{'n=' + str(n):>16}" for n in (1, 2, 3, 4)))
+    for name in drafts:
+        cells = []
+        for n in (1, 2, 3, 4):
+            t = statistics.median(ms[(name, n)])
+            a = sum(accepted[(name, n)]) / max(1, sum(accepted[(name, -n)]))
+            cells.append(f"{t:6.2f} ms {a:6.1%}")
+            rows.append({"draft": name, "n": n, "draft_ms": round(t, 3), "acceptance": round(a, 4),
+                         "vs_whole": round(t / statistics.median(ms[("whole", n)]), 3)})
+        print(f"{name:>12} " + " ".join(f"{c:>16}" for c in cells))
+    if args.json:
+        args.json.write_text(json.dumps({"tokens": args.tokens, "repeats": args.repeats, "threads": args.threads,
+                                         "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
