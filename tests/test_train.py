@@ -48,6 +48,24 @@ def trained(target, tmp_path_factory):
     return folder / "run", argv
 
 
+def test_the_corpus_is_decoded_as_it_is_read_and_a_cut_off_tail_ends_it(tmp_path, monkeypatch):
+    """Records across the reader's chunks decode whole; a JSON list cut part-way (as the packaged
+    ShareGPT file is) ends at its last complete record; JSONL reads the same."""
+    from ikdflash.train import corpus
+
+    write_corpus(tmp_path / "chats.jsonl", 6)
+    records = [json.loads(line) for line in (tmp_path / "chats.jsonl").read_text().splitlines()]
+    listed = json.dumps(records, indent=1)
+    (tmp_path / "cut.json").write_text(listed[: listed.index(records[-1]["id"])])
+    monkeypatch.setattr(corpus, "CHUNK", 37)
+    ids = [c.id for c in corpus.read_conversations(tmp_path / "cut.json")]
+    assert ids == [r["id"] for r in records[:-1]]
+    assert [c.messages for c in corpus.read_conversations(tmp_path / "chats.jsonl")][1:3] == \
+        [c.messages for c in corpus.read_conversations(tmp_path / "cut.json")][1:3]
+    with pytest.raises(corpus.CorpusError, match="corpus file not found"):
+        next(corpus.read_conversations(tmp_path / "nope.json"))
+
+
 def test_layer_features_are_the_targets_own(target):
     model = _core.Model(str(target), n_ctx=256, n_batch=16)
     prompt = model.tokenize("the river town and its bridges", add_special=True)
@@ -90,6 +108,42 @@ def test_captured_rows_are_the_reference_hidden_states(tiny_model, tmp_path):
             np.testing.assert_allclose(features[:, k * model.n_embd:(k + 1) * model.n_embd],
                                        hidden[il + 1][0].numpy(), rtol=1e-2, atol=1e-2)
         model.close()
+
+
+@pytest.mark.parametrize("layout", ["seed", "all-sliding"])
+def test_the_training_forward_is_the_reference_block_by_block(target, tmp_path, layout):
+    """Many blocks of one sequence in one training pass compute what the reference computes for
+    each block alone, with the context rows before its anchor (anchors past the window, so the
+    sliding layers' mask is exercised)."""
+    import torch
+
+    from ikdflash.hf import read_tensors
+    from ikdflash.train.draft import DraftConfig, DraftModel, layer_types, save_checkpoint
+    from reference import ReferenceDraft
+
+    hf_target = write_hf_target(tmp_path / "target-hf", target)
+    weights = read_tensors(hf_target)
+    config = json.loads((hf_target / "config.json").read_text())
+    n_embd = config["hidden_size"]
+    cfg = DraftConfig(hidden_size=n_embd, vocab_size=config["vocab_size"], num_target_layers=config["num_hidden_layers"],
+                      target_layer_ids=[0, 1], layer_types=layer_types(2, layout), sliding_window=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, block_size=5,
+                      mask_token_id=65, rope_theta=10000.0)
+    torch.manual_seed(0)
+    draft = DraftModel(cfg, weights["model.embed_tokens.weight"], weights["lm_head.weight"])
+    for p in draft.parameters():  # weights large enough that every term shows in the logits
+        p.data.normal_(0.0, 0.3)
+    reference = ReferenceDraft(save_checkpoint(draft, tmp_path / "draft"), hf_target)
+    features = torch.randn(1, 24, 2 * n_embd)
+    anchors = torch.tensor([[3, 9, 17]])
+    first = [70, 71, 72]
+    block = torch.full((1, 3, 5), 65)
+    block[0, :, 0] = torch.tensor(first)
+    with torch.no_grad():
+        logits = (draft.hidden(features, block, anchors) @ draft.head.T)[0].numpy()
+    for i, a in enumerate(anchors[0].tolist()):
+        ref = reference.logits(features[0, :a].numpy(), first[i], a)
+        np.testing.assert_allclose(logits[5 * i:5 * i + 5], ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
 def test_target_layers_keep_their_attention_scores_under_neox_rope():

@@ -144,13 +144,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    for flag, value in (("--minutes", args.minutes), ("--total-minutes", args.total_minutes)):
-        if value is not None and value <= 0:
-            raise ValueError(f"{flag} must be positive, got {value:g}")
     if args.corpus_rows and args.kind != "generated":
         raise ValueError("--corpus-rows adds corpus rows to --kind generated data; with --kind corpus use --data-rows")
-    if args.data_share is not None and not 0 < args.data_share < 1:
-        raise ValueError(f"--data-share must be between 0 and 1, got {args.data_share:g}")
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -160,6 +155,11 @@ def _run(args: argparse.Namespace) -> int:
     from ikdflash.model import Model
     from ikdflash.train import corpus, data, draft, evaluate, loop
 
+    # checked before anything is made
+    settings = loop.TrainSettings(minutes=args.minutes, seed=args.seed, lr=args.lr, labels=args.labels,
+                                  off_path_weight=args.off_path_weight, first_share=args.data_share,
+                                  head_vocab=args.head_vocab, max_steps=args.max_steps, n_threads=args.threads,
+                                  snapshot_minutes=args.snapshot_minutes, total_minutes=args.total_minutes)
     args.target = str(resolve(args.target, role="target"))
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -198,10 +198,6 @@ def _run(args: argparse.Namespace) -> int:
     checkpoint = out / "checkpoint.pt"
     if args.init == "target" and not checkpoint.exists():
         draft.init_from_target_layers(model, top_layers, hp["arch"], hp["output_norm"])
-    settings = loop.TrainSettings(minutes=args.minutes, seed=args.seed, lr=args.lr, labels=args.labels,
-                                  off_path_weight=args.off_path_weight, first_share=args.data_share,
-                                  head_vocab=args.head_vocab, max_steps=args.max_steps, n_threads=args.threads,
-                                  snapshot_minutes=args.snapshot_minutes, total_minutes=args.total_minutes)
 
     def snapshot(state: loop.TrainState) -> None:
         cfg.extra = {"steps": state.step, "train_seconds": round(state.seconds)}
@@ -256,8 +252,8 @@ def held_out_prompts(target: str | os.PathLike[str], corpus_path: Path | None, c
         for conv in read_conversations(corpus_path):
             if not conv.held_out:
                 continue
-            head = [("system", system)] if system else []
-            text = render(template, [*head, ("user", conv.first_user_turn)], add_generation_prompt=True)
+            preamble = [("system", system)] if system else []
+            text = render(template, [*preamble, ("user", conv.first_user_turn)], add_generation_prompt=True)
             tokens = model.tokenize(text, add_special=False, parse_special=True)
             if len(tokens) <= max_tokens:
                 prompts.append(tokens)

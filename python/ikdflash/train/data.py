@@ -209,12 +209,12 @@ def build(target: str | os.PathLike[str], conversations: Iterable[Conversation],
         model.close()
         return open_dataset(folder)
     writer = _Writer(folder, meta)
-    head = [("system", system)] if system else []
+    preamble = [("system", system)] if system else []
     todo = ((i, c) for i, c in enumerate(conversations) if i >= meta["conversations_done"])
     if kind == "corpus":
-        sequences = _corpus_sequences(model, template, head, todo, seq_len)
+        sequences = _corpus_sequences(model, template, preamble, todo, seq_len)
     else:
-        sequences = _answer_sequences(model, template, head, todo, max(64, seq_len - answer_tokens), answer_tokens,
+        sequences = _answer_sequences(model, template, preamble, todo, max(64, seq_len - answer_tokens), answer_tokens,
                                       temperatures, seed, n_parallel)
     try:
         for index, tokens, trainable in sequences:
@@ -234,19 +234,19 @@ def build(target: str | os.PathLike[str], conversations: Iterable[Conversation],
 Sequences = Iterable[tuple[int, list[int], list[bool]]]  # (conversation index, tokens, trainable)
 
 
-def _corpus_sequences(model, template: str, head: list, todo: Iterable[tuple[int, Conversation]],
+def _corpus_sequences(model, template: str, preamble: list, todo: Iterable[tuple[int, Conversation]],
                       seq_len: int) -> Sequences:
     """Each whole conversation, its assistant turns trainable."""
     for index, conv in todo:
         tokens, trainable = [], []
-        for text, assistant in conversation_pieces(template, [*head, *conv.messages]):
+        for text, assistant in conversation_pieces(template, [*preamble, *conv.messages]):
             piece = model.tokenize(text, add_special=False, parse_special=True)
             tokens += piece
             trainable += [assistant] * len(piece)
         yield index, tokens[:seq_len], trainable[:seq_len]
 
 
-def _answer_sequences(model, template: str, head: list, todo: Iterable[tuple[int, Conversation]], prompt_len: int,
+def _answer_sequences(model, template: str, preamble: list, todo: Iterable[tuple[int, Conversation]], prompt_len: int,
                       answer_tokens: int, temperatures: Sequence[float], seed: int, n_parallel: int) -> Sequences:
     """Each conversation's first user turn and the target's answer to it (trainable), decoded
     n_parallel at a time; conversation i at temperatures[i % len] with seed seed + i."""
@@ -262,7 +262,7 @@ def _answer_sequences(model, template: str, head: list, todo: Iterable[tuple[int
         group.clear()
 
     for index, conv in todo:
-        prompt = model.tokenize(render(template, [*head, ("user", conv.first_user_turn)], add_generation_prompt=True),
+        prompt = model.tokenize(render(template, [*preamble, ("user", conv.first_user_turn)], add_generation_prompt=True),
                                 add_special=False, parse_special=True)[-prompt_len:]
         group.append((index, prompt))
         if len(group) == 4 * n_parallel:

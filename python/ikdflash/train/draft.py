@@ -127,8 +127,7 @@ class Layer(nn.Module):
         self.up_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, block_pos: torch.Tensor, anchors: torch.Tensor,
-                full_attention: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, block_pos: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """x [S, A*B, d] block rows; ctx [S, L, d] context rows at positions 0..L-1;
         block_pos [S, A*B] positions; anchors [S, A] (-1: an unused block)."""
         cfg = self.cfg
@@ -143,9 +142,7 @@ class Layer(nn.Module):
         k = rope(self.k_norm(self.k_proj(keys_in).view(S, L + QB, hk, hd)), key_pos, cfg.rope_theta)
         v = self.v_proj(keys_in).view(S, L + QB, hk, hd)
 
-        sliding = self.sliding and not full_attention
-        causal = self.causal and not full_attention
-        rule = visible(block_pos[:, :, None], key_pos[:, None, :], sliding=sliding, causal=causal,
+        rule = visible(block_pos[:, :, None], key_pos[:, None, :], sliding=self.sliding, causal=self.causal,
                        window=cfg.sliding_window)
         B = cfg.block_size
         block_of_query = torch.arange(QB, device=x.device) // B
@@ -182,8 +179,7 @@ class DraftModel(nn.Module):
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
 
-    def hidden(self, features: torch.Tensor, block_tokens: torch.Tensor, anchors: torch.Tensor,
-               full_attention: bool = False) -> torch.Tensor:
+    def hidden(self, features: torch.Tensor, block_tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Final normed hidden states of every block row: [S, A*B, d]."""
         S, A = anchors.shape
         B = self.cfg.block_size
@@ -191,7 +187,7 @@ class DraftModel(nn.Module):
         block_pos = (anchors.clamp(min=0)[:, :, None] + torch.arange(B, device=anchors.device)).reshape(S, A * B)
         x = F.embedding(block_tokens.reshape(S, A * B), self.embedding)
         for layer in self.layers:
-            x = layer(x, ctx, block_pos, anchors, full_attention)
+            x = layer(x, ctx, block_pos, anchors)
         return self.norm(x)
 
     def trainable_tensors(self) -> dict[str, np.ndarray]:

@@ -59,6 +59,15 @@ class TrainSettings:
     # schedules its own budget, so stages restart the warm-up and decay).
     total_minutes: float | None = None
 
+    def __post_init__(self) -> None:
+        for flag, value in (("--minutes", self.minutes), ("--total-minutes", self.total_minutes)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{flag} must be positive, got {value:g}")
+        if self.labels not in LABELS:
+            raise ValueError(f"labels must be one of {', '.join(LABELS)}, got {self.labels!r}")
+        if self.first_share is not None and not 0 < self.first_share < 1:
+            raise ValueError(f"--data-share must be between 0 and 1, got {self.first_share:g}")
+
 
 @dataclass
 class TrainState:
@@ -197,10 +206,6 @@ def train(model: DraftModel, datasets: Sequence[Dataset], settings: TrainSetting
           *, progress: bool = True, on_snapshot: Callable[[TrainState], None] | None = None) -> TrainState:
     """Train for settings.minutes (or max_steps), resuming from checkpoint when it exists;
     on_snapshot is called every settings.snapshot_minutes of training."""
-    if settings.minutes <= 0:
-        raise ValueError(f"--minutes must be positive, got {settings.minutes}")
-    if settings.labels not in LABELS:
-        raise ValueError(f"labels must be one of {', '.join(LABELS)}, got {settings.labels!r}")
     if settings.n_threads:
         torch.set_num_threads(settings.n_threads)
     torch.manual_seed(settings.seed)
@@ -242,7 +247,7 @@ def train(model: DraftModel, datasets: Sequence[Dataset], settings: TrainSetting
     seconds_before = state.seconds
     t0 = last_save = last_report = last_snapshot = time.monotonic()
     run_steps = 0
-    window: list[tuple[float, float]] = []  # (loss, tau estimate) of the steps since the last report
+    recent: list[tuple[float, float]] = []  # (loss, tau estimate) of the steps since the last report
     model.train()
     while True:
         elapsed = time.monotonic() - t0
@@ -264,11 +269,11 @@ def train(model: DraftModel, datasets: Sequence[Dataset], settings: TrainSetting
         state.step += 1
         run_steps += 1
         used = accepted[accepted >= 0]
-        window.append((loss.item(), 1.0 + used.float().mean().item() if used.numel() else 1.0))
+        recent.append((loss.item(), 1.0 + used.float().mean().item() if used.numel() else 1.0))
         now = time.monotonic()
         state.seconds = seconds_before + now - t0
         if now - last_report >= 30 or run_steps == 1:
-            report(state, window, progress, f"{(now - t0) / 60:.1f}/{settings.minutes:g} min")
+            report(state, recent, progress, f"{(now - t0) / 60:.1f}/{settings.minutes:g} min")
             last_report = now
         if now - last_save >= settings.checkpoint_minutes * 60:
             save()
@@ -276,19 +281,19 @@ def train(model: DraftModel, datasets: Sequence[Dataset], settings: TrainSetting
         if on_snapshot and settings.snapshot_minutes > 0 and now - last_snapshot >= settings.snapshot_minutes * 60:
             on_snapshot(state)
             last_snapshot = now
-    report(state, window, progress, "done")
+    report(state, recent, progress, "done")
     save()
     return state
 
 
-def report(state: TrainState, window: list[tuple[float, float]], progress: bool, when: str) -> None:
+def report(state: TrainState, recent: list[tuple[float, float]], progress: bool, when: str) -> None:
     """Record the mean loss and running acceptance estimate (tau at n_max, on training batches)
     of the steps since the last record."""
-    if not window:
+    if not recent:
         return
-    loss = sum(w[0] for w in window) / len(window)
-    tau = sum(w[1] for w in window) / len(window)
+    loss = sum(r[0] for r in recent) / len(recent)
+    tau = sum(r[1] for r in recent) / len(recent)
     state.history.append((state.step, round(state.seconds, 1), loss, tau))
-    window.clear()
+    recent.clear()
     if progress:
         print(f"train: step {state.step}  loss {loss:.3f}  tau~{tau:.2f}  {when}", file=sys.stderr, flush=True)
