@@ -272,6 +272,23 @@ def test_upstream_dflash_format_loads_the_same(target, drafts, tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("case", ["causal-override", "swa-5+1"])
+def test_proposals_are_the_whole_steps_first_tokens(target, drafts, case):
+    """propose(n) runs the head on rows 1..n only and, where every layer is causal, leaves the
+    rows past n out of the layers: its tokens are still the whole step's first n."""
+    _, _, model = target
+    draft = _core.Draft(model, str(drafts[case][1]))
+    cache = _core.CrossContext(draft, 64)
+    features = context(20, draft.info()["n_target_features"])
+    cache.append(features, np.arange(20, dtype=np.int32))
+    assert all(draft.info()["causal"]) == (case == "causal-override")
+    _, whole = cache.step(65, 20)
+    for n in range(1, len(whole) + 1):
+        assert cache.propose(65, 20, n) == whole[:n]
+    with pytest.raises(ValueError, match="draft length 0 outside"):
+        cache.propose(65, 20, 0)
+
+
 def test_a_head_cut_to_the_trained_ids_scores_only_those(target, drafts, tmp_path):
     """A draft trained over a subset of the vocabulary (dflash.head_token_ids) scores exactly the
     subset's logits of the whole head, proposes the best of them, and leaves the rest at -inf."""

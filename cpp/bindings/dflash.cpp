@@ -233,6 +233,15 @@ public:
         return py::make_tuple(logits, tokens);
     }
 
+    // The speculative loop's step: the argmax of block rows 1..n only.
+    std::vector<llama_token> propose(int first_token, int start, int n) {
+        std::vector<llama_token> tokens(std::max(n, 0));
+        check(draft_.exclusive([&] {
+            return dflash_draft_propose(draft_.raw(), cache_, first_token, start, n, tokens.data());
+        }));
+        return tokens;
+    }
+
 private:
     void check(int rc) const {
         if (rc != 0) {
@@ -572,7 +581,8 @@ void bind_dflash(py::module_ & m) {
         .def("state", &CrossContext::state)
         .def("set_state", &CrossContext::set_state, py::arg("state"))
         .def("n_rows", &CrossContext::n_rows)
-        .def("step", &CrossContext::step, py::arg("first_token"), py::arg("start"));
+        .def("step", &CrossContext::step, py::arg("first_token"), py::arg("start"))
+        .def("propose", &CrossContext::propose, py::arg("first_token"), py::arg("start"), py::arg("n"));
     py::class_<BlockController>(m, "BlockController")
         .def(py::init<int, const std::vector<double> &, const std::vector<double> &, bool>(), py::arg("n_max"),
              py::arg("pass_ms"), py::arg("draft_ms"), py::arg("adaptive") = true)

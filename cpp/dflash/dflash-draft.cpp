@@ -889,14 +889,19 @@ void read_logits(const dflash_draft & d, ggml_tensor * logits, int n_rows, float
     }
 }
 
-// One draft step. The whole block runs through the layers (attention needs every row), but the
-// head, which costs more than the layers for a large vocabulary, runs only on block rows
-// head_row0 .. head_row0 + n_head - 1. The first-maximum argmax of every head row past row 0 goes
-// to tokens_out; the logits leave the backend only when logits_out asks for them (sampling):
-// greedy steps read n_head ids, not n_head x n_vocab floats from a GPU.
+// One draft step. The head, which costs more than the layers for a large vocabulary, runs only on
+// block rows head_row0 .. head_row0 + n_head - 1. The layers run the whole block where a layer
+// attends both ways within it; where every layer is causal, a row sees no row after it, so the
+// rows past the last head row are left out. The first-maximum argmax of every head row past row
+// 0 goes to tokens_out; the logits leave the backend only when logits_out asks for them
+// (sampling): greedy steps read n_head ids, not n_head x n_vocab floats from a GPU.
 void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t start, int head_row0, int n_head,
               float * logits_out, llama_token * tokens_out) {
-    const int B = d.block_size;
+    bool all_causal = true;
+    for (int il = 0; il < d.n_layer; ++il) {
+        all_causal = all_causal && d.rule(il, c.full_attention).causal;
+    }
+    const int B = all_causal ? head_row0 + n_head : d.block_size;  // block rows computed
     ggml_context * ctx = d.graph_context();
     std::unique_ptr<ggml_context, decltype(&ggml_free)> guard(ctx, ggml_free);
     ggml_cgraph * gf = ggml_new_graph_custom(ctx, k_max_graph_nodes, false);

@@ -92,6 +92,9 @@ class CrossContext:
         """Rows held per layer."""
     def step(self, first_token: int, start: int) -> tuple[npt.NDArray[np.float32], list[int]]:
         """One draft step: (logits [block, vocab], argmax of rows 1..)."""
+    def propose(self, first_token: int, start: int, n: int) -> list[int]:
+        """The speculative loop's step: the argmax of block rows 1..n (the head on those rows only;
+        an all-causal draft computes no row past n)."""
 
 class BlockController:
     """The adaptive block length's controller (dflash_adapt) on pass costs given, with no model:
