@@ -307,6 +307,15 @@ def test_refresh_recomputes_features_for_the_same_tokens_and_resumes(trained, ta
     assert np.abs(again.features.astype(np.float32) - good.features.astype(np.float32)).max() < 1e-2
     assert data_main(["refresh", "--target", str(target), str(fresh), str(fresh)]) == 2
     assert "not the one it reads" in capsys.readouterr().err
+    # the tokens alone (what a repository keeps) give the same folder back
+    assert data_main(["tokens", str(stale), str(tmp_path / "tokens.npz")]) == 0
+    assert data_main(["refresh", "--target", str(target), str(tmp_path / "tokens.npz"), str(tmp_path / "back")]) == 0
+    back = open_dataset(tmp_path / "back")
+    for name in ("index", "tokens", "trainable", "greedy", "features"):
+        assert np.array_equal(getattr(back, name), getattr(again, name)), name
+    (tmp_path / "junk.npz").write_bytes(b"junk")
+    assert data_main(["refresh", "--target", str(target), str(tmp_path / "junk.npz"), str(tmp_path / "x")]) == 2
+    assert "neither a data folder nor a tokens file" in capsys.readouterr().err
 
 
 def test_bad_input_is_refused(trained, target, tmp_path, capsys):

@@ -21,9 +21,12 @@ On disk (append-only, so a build can stop and resume, and data can exceed RAM):
 
 A fix in the fork that changes the target's states makes old features wrong but leaves their
 tokens good; `refresh` runs the target over them again into a new folder (prefill speed, even
-for generated answers):
+for generated answers). The tokens alone fit in a small file (`tokens`), which a repository can
+keep when the data folder cannot, and `refresh` rebuilds a folder from it:
 
     python -m ikdflash.train.data refresh --target T.gguf OLD_FOLDER NEW_FOLDER
+    python -m ikdflash.train.data tokens FOLDER answers.npz
+    python -m ikdflash.train.data refresh --target T.gguf answers.npz NEW_FOLDER
 """
 
 from __future__ import annotations
@@ -271,13 +274,41 @@ def _answer_sequences(model, template: str, preamble: list, todo: Iterable[tuple
         yield from answered()
 
 
+# what a data folder is without its features: enough to compute them again
+TOKEN_ARRAYS = ("index", "tokens", "trainable")
+
+
+def save_tokens(folder: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
+    """The folder's sequences without features or labels, compressed into one .npz file."""
+    data = open_dataset(folder)
+    path = Path(path)
+    np.savez_compressed(path, meta=np.array(json.dumps(data.meta)),
+                        **{name: np.asarray(getattr(data, name)) for name in TOKEN_ARRAYS})
+    return path
+
+
+def open_tokens(source: str | os.PathLike[str]) -> Dataset:
+    """A data folder, or the sequences of one saved by save_tokens (features left empty)."""
+    source = Path(source)
+    if source.is_dir():
+        return open_dataset(source)
+    try:
+        with np.load(source) as saved:
+            meta = json.loads(str(saved["meta"]))
+            arrays = {name: saved[name] for name in TOKEN_ARRAYS}
+    except (OSError, ValueError, KeyError) as e:
+        raise DataError(f"{source}: neither a data folder nor a tokens file made by `tokens` ({e})") from None
+    return Dataset(folder=source, meta=meta, greedy=np.empty(0, np.int32), features=np.empty((0, 0), np.float16),
+                   **arrays)
+
+
 def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], folder: str | os.PathLike[str], *,
             n_threads: int | None = None, progress: bool = True) -> Dataset:
-    """The source folder's sequences (tokens, trainable rows) with features and greedy tokens
+    """The source's sequences (a data folder, or a tokens file) with features and greedy tokens
     computed again by this fork's target, into folder (resuming where it stopped)."""
     from ikdflash.model import Model
 
-    old = open_dataset(source)
+    old = open_tokens(source)
     folder = Path(folder)
     if folder.resolve() == old.folder.resolve():
         raise DataError(f"{folder}: refresh writes a new folder, not the one it reads")
@@ -308,10 +339,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     again = sub.add_parser("refresh", help="a folder's sequences through this fork's target again, into a new folder")
     again.add_argument("--target", required=True, help="the target GGUF (the one the data was made with)")
     again.add_argument("--threads", type=int)
-    again.add_argument("source", type=Path)
+    again.add_argument("source", type=Path, help="a data folder, or a tokens file")
     again.add_argument("folder", type=Path)
+    keep = sub.add_parser("tokens", help="a folder's sequences without features, into one small .npz file")
+    keep.add_argument("folder", type=Path)
+    keep.add_argument("path", type=Path)
     args = parser.parse_args(argv)
     try:
+        if args.command == "tokens":
+            print(save_tokens(args.folder, args.path))
+            return 0
         dataset = refresh(args.target, args.source, args.folder, n_threads=args.threads)
     except (DataError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
