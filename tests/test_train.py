@@ -125,7 +125,8 @@ def test_the_training_forward_is_the_reference_block_by_block(target, tmp_path, 
     weights = read_tensors(hf_target)
     config = json.loads((hf_target / "config.json").read_text())
     n_embd = config["hidden_size"]
-    cfg = DraftConfig(hidden_size=n_embd, vocab_size=config["vocab_size"], num_target_layers=config["num_hidden_layers"],
+    cfg = DraftConfig(hidden_size=n_embd, vocab_size=config["vocab_size"],
+                      num_target_layers=config["num_hidden_layers"],
                       target_layer_ids=[0, 1], layer_types=layer_types(2, layout), sliding_window=4,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, block_size=5,
                       mask_token_id=65, rope_theta=10000.0)

@@ -38,12 +38,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
 from ikdflash.chat import chat_template, render
 from ikdflash.train.corpus import Conversation
+
+if TYPE_CHECKING:
+    from ikdflash.model import Model
 
 FILES = {"index": np.int64, "tokens": np.int32, "greedy": np.int32, "trainable": np.uint8, "features": np.float16}
 KINDS = ("corpus", "generated")
@@ -237,7 +240,7 @@ def build(target: str | os.PathLike[str], conversations: Iterable[Conversation],
 Sequences = Iterable[tuple[int, list[int], list[bool]]]  # (conversation index, tokens, trainable)
 
 
-def _corpus_sequences(model, template: str, preamble: list, todo: Iterable[tuple[int, Conversation]],
+def _corpus_sequences(model: Model, template: str, preamble: list, todo: Iterable[tuple[int, Conversation]],
                       seq_len: int) -> Sequences:
     """Each whole conversation, its assistant turns trainable."""
     for index, conv in todo:
@@ -249,8 +252,9 @@ def _corpus_sequences(model, template: str, preamble: list, todo: Iterable[tuple
         yield index, tokens[:seq_len], trainable[:seq_len]
 
 
-def _answer_sequences(model, template: str, preamble: list, todo: Iterable[tuple[int, Conversation]], prompt_len: int,
-                      answer_tokens: int, temperatures: Sequence[float], seed: int, n_parallel: int) -> Sequences:
+def _answer_sequences(model: Model, template: str, preamble: list, todo: Iterable[tuple[int, Conversation]],
+                      prompt_len: int, answer_tokens: int, temperatures: Sequence[float], seed: int,
+                      n_parallel: int) -> Sequences:
     """Each conversation's first user turn and the target's answer to it (trainable), decoded
     n_parallel at a time; conversation i at temperatures[i % len] with seed seed + i."""
     group: list[tuple[int, list[int]]] = []
@@ -265,8 +269,8 @@ def _answer_sequences(model, template: str, preamble: list, todo: Iterable[tuple
         group.clear()
 
     for index, conv in todo:
-        prompt = model.tokenize(render(template, [*preamble, ("user", conv.first_user_turn)], add_generation_prompt=True),
-                                add_special=False, parse_special=True)[-prompt_len:]
+        text = render(template, [*preamble, ("user", conv.first_user_turn)], add_generation_prompt=True)
+        prompt = model.tokenize(text, add_special=False, parse_special=True)[-prompt_len:]
         group.append((index, prompt))
         if len(group) == 4 * n_parallel:
             yield from answered()

@@ -127,7 +127,8 @@ class Layer(nn.Module):
         self.up_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, block_pos: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, block_pos: torch.Tensor,
+                anchors: torch.Tensor) -> torch.Tensor:
         """x [S, A*B, d] block rows; ctx [S, L, d] context rows at positions 0..L-1;
         block_pos [S, A*B] positions; anchors [S, A] (-1: an unused block)."""
         cfg = self.cfg
