@@ -28,11 +28,8 @@ from ikdflash.model import Model
 from ikdflash.train.corpus import read_conversations
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from adaptive import QUESTIONS, chat_prompts  # the same chat questions under the same system prompt
 from gguf_edit import rewrite
-
-SYSTEM = "You are a helpful assistant."
-QUESTIONS = ["Explain rainbows to a child.", "What is the capital of France, and why is it famous?",
-             "Give me three tips for learning to cook.", "Write a short poem about the sea."]
 
 
 def frequent_ids(target: Path, n_conversations: int = 200) -> np.ndarray:
@@ -73,10 +70,7 @@ def main() -> int:
             drafts[f"cut {n}"] = rewrite(shipped, Path(tmp) / f"cut-{n}.gguf",
                                          fields={key: sorted(int(i) for i in ranked[:n])})
         engines = {name: Engine(target, path, n_threads=args.threads) for name, path in drafts.items()}
-        template = chat_template(target)
-        prompts = [engines["whole"].target.tokenize(
-            render(template, [("system", SYSTEM), ("user", q)], add_generation_prompt=True),
-            add_special=False, parse_special=True) for q in QUESTIONS]
+        prompts = chat_prompts(engines["whole"], QUESTIONS)
         ms: dict[tuple[str, int], list[float]] = {}
         accepted: dict[tuple[str, int], list[int]] = {}
         for _ in range(args.repeats):
