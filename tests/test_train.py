@@ -250,6 +250,40 @@ def test_a_second_run_resumes(trained):
     assert stages[1]["command"].startswith("ikdflash train --target") and "--max-steps 5" in stages[1]["command"]
 
 
+def test_a_new_run_goes_on_from_a_trained_draft(trained, tmp_path, capsys):
+    """--init DRAFT.gguf: a fresh run folder starts from the draft's weights (a learning rate of
+    ~0 keeps them, so its export equals the draft it started from); a draft of another shape or
+    window is refused by name."""
+    import gguf
+
+    run, argv = trained
+    out = tmp_path / "again"
+    again = list(argv)
+    again[again.index("--out") + 1] = str(out)
+    again[again.index("--max-steps") + 1] = "1"
+    again[again.index("--lr") + 1] = "1e-12"
+    again += ["--data", str(run / "data"), "--init", str(run / "draft.gguf"), "--eval-prompts", "0"]
+    assert main(again) == 0
+    before = {t.name: np.array(t.data) for t in gguf.GGUFReader(run / "draft.gguf").tensors}
+    after = {t.name: np.array(t.data) for t in gguf.GGUFReader(out / "draft.gguf").tensors}
+    assert before.keys() == after.keys() and len(before) > 10
+    for name, value in before.items():
+        assert np.allclose(after[name], value, rtol=0, atol=1e-6), name
+    first_loss = json.loads((run / "report.json").read_text())["history"][0][2]
+    assert json.loads((out / "report.json").read_text())["history"][0][2] < 0.9 * first_loss
+
+    wider = list(again)
+    wider[wider.index("--out") + 1] = str(tmp_path / "wider")
+    wider[wider.index("--window") + 1] = "16"
+    assert main(wider) == 2
+    assert "sliding window 8, but this run's draft has 16" in capsys.readouterr().err
+    missing = list(again)
+    missing[missing.index("--out") + 1] = str(tmp_path / "missing")
+    missing[missing.index("--init") + 1] = str(tmp_path / "nothing.gguf")
+    assert main(missing) == 2
+    assert "nothing.gguf" in capsys.readouterr().err
+
+
 def test_answers_beside_the_corpus_with_a_cut_head_and_one_schedule(target, tmp_path):
     """--kind generated with --corpus-rows: the target's own answers (decoded side by side) and
     corpus rows in one run; the head cut to the ids the data uses most is exported, so the fork's

@@ -65,8 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="target layer ids, comma-separated (default: 3 spread from 1 to the third-last)")
     draft.add_argument("--mask-token", type=int, help="mask token id (default: a token named like 'mask', else "
                        "the last control token that is not bos/eos/pad/unk)")
-    draft.add_argument("--init", choices=("random", "target"), default="target",
-                       help="start the draft layers from the target's top layers (default) or at random")
+    draft.add_argument("--init", default="target", metavar="{target,random,DRAFT}",
+                       help="start the draft layers from the target's top layers (default), at random, or from "
+                            "an existing draft GGUF of the same shape (a path or reference, e.g. "
+                            "ikdflash:drafts/smollm2-135m-swa-q8_0.gguf) to train it further")
     fit = parser.add_argument_group("training")
     fit.add_argument("--labels", choices=("target", "corpus"), default="target",
                      help="target: the target's greedy tokens (default); corpus: the text's own tokens")
@@ -196,8 +198,11 @@ def _run(args: argparse.Namespace) -> int:
         rope_theta=hp["rope_theta"], max_position_embeddings=hp["context_length"])
     model = draft.DraftModel(cfg, embd, head)
     checkpoint = out / "checkpoint.pt"
-    if args.init == "target" and not checkpoint.exists():
-        draft.init_from_target_layers(model, top_layers, hp["arch"], hp["output_norm"])
+    if not checkpoint.exists():
+        if args.init == "target":
+            draft.init_from_target_layers(model, top_layers, hp["arch"], hp["output_norm"])
+        elif args.init != "random":
+            draft.init_from_draft(model, resolve(args.init, role="draft"))
 
     def snapshot(state: loop.TrainState) -> None:
         cfg.extra = {"steps": state.step, "train_seconds": round(state.seconds)}

@@ -262,3 +262,47 @@ def init_from_target_layers(model: DraftModel, target_layers: Sequence[dict[str,
                      "post_attention_layernorm": w["ffn_norm.weight"]}
             for name, value in pairs.items():
                 getattr(layer, name).weight.copy_(torch.tensor(np.asarray(value, dtype=np.float32)))
+
+
+def init_from_draft(model: DraftModel, path: str | Path) -> None:
+    """Start every trainable weight from an existing dflash-draft GGUF of the same shape: to go on
+    training a shipped draft (Q8_0 is close enough to its floats) on a fork whose target states
+    changed. ValueError naming what differs when the file is not a draft of this configuration."""
+    from gguf.quants import dequantize
+
+    from ikdflash.convert import ARCH, GLOBAL_TENSORS, LAYER_TENSORS
+    from ikdflash.pair import gguf_field, open_gguf
+
+    reader = open_gguf(path, "draft")
+    if gguf_field(reader, "general.architecture", None) != ARCH:
+        raise ValueError(f"draft {path}: not a DFlash draft (architecture "
+                         f"{gguf_field(reader, 'general.architecture', None)!r})")
+    cfg = model.cfg
+    header = {"target layer ids": ([int(x) for x in gguf_field(reader, f"{ARCH}.dflash.target_layer_ids")],
+                                   list(cfg.target_layer_ids)),
+              "mask token": (int(gguf_field(reader, f"{ARCH}.dflash.mask_token_id")), cfg.mask_token_id),
+              "layers": (int(gguf_field(reader, f"{ARCH}.block_count")), cfg.n_layer),
+              "sliding window": (int(gguf_field(reader, f"{ARCH}.attention.sliding_window", 0)),
+                                 cfg.sliding_window if any(map(cfg.sliding, range(cfg.n_layer))) else 0)}
+    for what, (theirs, ours) in header.items():
+        if theirs != ours:
+            raise ValueError(f"draft {path}: {what} {theirs}, but this run's draft has {ours}")
+    ours_by_gguf = {gguf_name: hf for hf, gguf_name in GLOBAL_TENSORS.items()}
+    ours_by_gguf |= {f"blk.{il}.{gguf_name}": f"layers.{il}.{hf}" for il in range(cfg.n_layer)
+                     for hf, gguf_name in LAYER_TENSORS.items()}
+    # our module names drop the reference's "self_attn." and "mlp." levels
+    ours_by_gguf = {g: hf.replace("self_attn.", "").replace("mlp.", "") for g, hf in ours_by_gguf.items()}
+    state = model.state_dict()
+    found = {t.name: t for t in reader.tensors}
+    missing = sorted(set(ours_by_gguf) - set(found))
+    if missing:
+        raise ValueError(f"draft {path}: no tensor {', '.join(missing[:3])}")
+    with torch.no_grad():
+        for gguf_name, name in ours_by_gguf.items():
+            t = found[gguf_name]
+            value = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
+                [int(x) for x in reversed(t.shape)])
+            if tuple(value.shape) != tuple(state[name].shape):
+                raise ValueError(f"draft {path}: {gguf_name} has shape {list(value.shape)}, but this run's "
+                                 f"draft needs {list(state[name].shape)}")
+            state[name].copy_(torch.tensor(value))
