@@ -101,6 +101,9 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
             "adaptive_probes": probes}
 
 
+WORKLOADS = ("useless", "built-in", "mixed", "always-right")
+
+
 def controller_cost(pass_ms: float) -> dict:
     ctl = BlockController(4, [1.0, 1.09, 1.3, 1.6, 1.9], 0.7)
     steps = 20000
@@ -118,6 +121,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     target, draft = resolve_pair(DEFAULT_PAIR)
@@ -132,13 +136,14 @@ def main() -> None:
             "mixed": (target, draft, lambda e: chat_prompts(e, [QUESTIONS[0], COPY, QUESTIONS[3], COPY])),
             "always-right": (tiny_target, tiny_draft, lambda e: [[(i * 7919) % 250 for i in range(64)]]),
         }
-        for name, (t, d, prompts_of) in workloads.items():
+        for name in args.workloads:
+            t, d, prompts_of = workloads[name]
             results[name] = run_workload(name, t, d, prompts_of, args.tokens, args.repeats)
-    alone = results["built-in"]["tokens_per_second"]["alone"]
+    alone = results[args.workloads[0]]["tokens_per_second"]["alone"]
     results["controller"] = controller_cost(1e3 / alone)
-    modes = list(results["useless"]["ratio_to_alone"])
+    modes = list(results[args.workloads[0]]["ratio_to_alone"])
     print(f"{'workload':>13} | " + " ".join(f"{m:>9}" for m in modes) + " | adaptive: k=0 share, steps by k, probes")
-    for name in ("useless", "built-in", "mixed", "always-right"):
+    for name in args.workloads:
         r = results[name]
         print(f"{name:>13} | " + " ".join(f"{r['ratio_to_alone'][m]:>8.2f}x" for m in modes)
               + f" | {r['adaptive_plain_share']:.0%}, {r['adaptive_steps_by_verified']}, {r['adaptive_probes']}")

@@ -66,6 +66,7 @@ struct dflash_costs {
     double scale_ms = 0.0;         // t_pass(1); 0 until measured
     std::vector<double> draft_ms;  // [n]: a draft step proposing n tokens; 0 until measured
     bool frozen = false;           // set by IKDFLASH_COSTS: observations are ignored
+    int last_rows = 0;             // rows of the pass observed before
 
     double pass_ms(int rows) const { return scale_ms * shape[std::clamp(rows, 1, max_rows)]; }
 
@@ -87,8 +88,14 @@ struct dflash_costs {
         return 0.0;
     }
 
+    // Only a pass of as many rows as the one before counts: the target reuses its graph for it
+    // (patch 0034), as in a run of steps verifying the same k, which is what the controller
+    // chooses between; a pass of another shape also paid to rebuild the graph. Counting those
+    // made a k the controller seldom chose look dearer than it is, and kept it seldom chosen.
     void observe_pass(int rows, double ms) {
-        if (frozen || rows < 1 || rows > max_rows || !(ms > 0.0)) {
+        const bool same_shape = rows == last_rows;
+        last_rows = rows;
+        if (frozen || !same_shape || rows < 1 || rows > max_rows || !(ms > 0.0)) {
             return;
         }
         if (scale_ms <= 0.0) {
@@ -307,21 +314,29 @@ int dflash_costs_calibrate(dflash_costs * costs, llama_context * ctx) {
         }
         llama_batch batch = llama_batch_init(max_rows, 0, 1);
         const std::vector<llama_token> tokens(max_rows, 0);  // any ids: the cost does not depend on them
-        auto pass = [&](int rows) {
-            dflash_impl::fill_seq0_batch(batch, tokens.data(), rows, 0, true);  // as a verification pass
-            llama_kv_cache_clear(ctx);
-            const double t0 = now_ms();
+        // Passes at position 1, after one cached token (a graph is reused only there), each row
+        // count twice in a row: the second reuses the first's graph, as a run of steps verifying
+        // the same k does, and is the one timed (see observe_pass).
+        auto decode = [&](int rows, llama_pos pos0, bool all_logits) {
+            dflash_impl::fill_seq0_batch(batch, tokens.data(), rows, pos0, all_logits);
             const int rc = llama_decode(ctx, batch);
             llama_synchronize(ctx);  // a GPU backend may still be computing
-            const double ms = now_ms() - t0;
+            llama_kv_cache_seq_rm(ctx, 0, 1, -1);
             if (rc != 0) {
                 llama_batch_free(batch);
                 llama_kv_cache_clear(ctx);
                 fail("a calibration pass of %d rows failed with code %d", rows, rc);
             }
-            return ms;
         };
-        pass(1);  // the first pass pages weights in and plans buffers
+        auto pass = [&](int rows) {
+            decode(rows, 1, true);
+            const double t0 = now_ms();
+            decode(rows, 1, true);  // as a verification pass
+            return now_ms() - t0;
+        };
+        llama_kv_cache_clear(ctx);
+        decode(1, 0, false);
+        pass(1);  // the first passes page weights in and plan buffers
         // rounds over every row count, so a slow moment of the machine spreads over all of them
         std::vector<double> best(max_rows, 0.0);
         for (int round = 0; round < k_calibration_rounds; ++round) {

@@ -333,7 +333,11 @@ struct dflash_engine::generation {
         const int n_batch = (int) llama_n_batch(e.ctx);
         for (int i = 0; i < n_prompt; i += n_batch) {
             const int m = std::min(n_batch, n_prompt - i);
+            const double t_pass = now_ms();
             e.decode(prompt + i, m, i, false, true);
+            if (e.costs) {  // the controller counts a pass after one of the same shape only
+                dflash_costs_observe_pass(e.costs.get(), m, now_ms() - t_pass);
+            }
             e.commit_features(m, i);
         }
         t = pick(-1, t_info);

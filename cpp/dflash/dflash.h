@@ -194,7 +194,9 @@ LLAMA_API int    dflash_costs_calibrate(dflash_costs * costs, llama_context * ct
 // pass_ms: max_rows times, for 1..max_rows rows (a known machine; tests). Returns 0 on success.
 LLAMA_API int    dflash_costs_set_passes(dflash_costs * costs, const double * pass_ms);
 // Observed times (a pass over n_rows rows of any sequences; a draft step proposing n_tokens),
-// folded into the estimates.
+// folded into the estimates. A pass counts only after one of as many rows (the steady cost of a
+// k: the target reuses its graph for a pass of the same shape); every pass must be reported, a
+// larger one than max_rows too, for that.
 LLAMA_API void   dflash_costs_observe_pass(dflash_costs * costs, int n_rows, double ms);
 LLAMA_API void   dflash_costs_observe_draft(dflash_costs * costs, int n_tokens, double ms);
 LLAMA_API double dflash_costs_pass_ms(const dflash_costs * costs, int n_rows);     // 0 while unknown
