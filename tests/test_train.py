@@ -353,6 +353,30 @@ def test_refresh_recomputes_features_for_the_same_tokens_and_resumes(trained, ta
     assert "neither a data folder nor a tokens file" in capsys.readouterr().err
 
 
+def test_data_build_makes_what_train_makes_and_grows_a_folder(trained, target, tmp_path, capsys):
+    """`data build` with train's data arguments makes the folder the training run made (same
+    sequences, same features); asked for more rows it appends to it; bad layers are refused."""
+    from ikdflash.train.data import main as data_main
+    from ikdflash.train.data import open_dataset
+
+    run, argv = trained
+    made = open_dataset(run / "data")
+    common = ["build", "--target", str(target), "--corpus", str(run.parent / "chats.jsonl"), "--seq-len", "256",
+              "--system", "Be brief.", "--threads", "2"]
+    folder = tmp_path / "data"
+    assert data_main([*common, "--rows", str(made.n_rows), str(folder)]) == 0
+    built = open_dataset(folder)
+    assert built.meta["layer_ids"] == made.meta["layer_ids"]
+    for name in ("index", "tokens", "trainable", "greedy", "features"):
+        assert np.array_equal(getattr(built, name), getattr(made, name)), name
+    assert data_main([*common, "--rows", str(made.n_rows + 500), str(folder)]) == 0
+    grown = open_dataset(folder)
+    assert grown.n_rows >= made.n_rows + 500
+    assert np.array_equal(grown.tokens[:made.n_rows], made.tokens)
+    assert data_main([*common, "--rows", "10", str(tmp_path / "bad"), "--target-layers", "0", "99"]) == 2
+    assert "--target-layers must lie in" in capsys.readouterr().err
+
+
 def test_bad_input_is_refused(trained, target, tmp_path, capsys):
     run, argv = trained
     base = ["train", "--target", str(target), "--threads", "2"]

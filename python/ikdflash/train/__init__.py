@@ -167,7 +167,7 @@ def _run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with Model(args.target, n_ctx=64) as target:
         n_target_layers, n_embd, n_vocab = target.n_layer, target.n_embd, target.n_vocab
-    layer_ids = args.target_layers or draft.default_layer_ids(n_target_layers, 3)
+    layer_ids = args.target_layers or data.default_layer_ids(n_target_layers)
     mask = args.mask_token if args.mask_token is not None else default_mask_token(args.target)
     top = list(range(n_target_layers - args.layers, n_target_layers))  # the draft's layers start as these
     embd, head, top_layers, hp = target_weights(args.target, top)

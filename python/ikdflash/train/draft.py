@@ -214,14 +214,6 @@ def save_checkpoint(model: DraftModel, folder: Path) -> Path:
     return folder
 
 
-def default_layer_ids(n_target_layers: int, count: int) -> list[int]:
-    """Evenly spread over the target, from layer 1 to the third-last (the reference's choice)."""
-    if count == 1:
-        return [n_target_layers // 2]
-    last = max(1, n_target_layers - 3)
-    return sorted({round(1 + i * (last - 1) / (count - 1)) for i in range(count)})
-
-
 def layer_types(n_layer: int, layout: str) -> list[str]:
     """'seed': sliding on every layer but the last (the released SWA draft); 'all-sliding'."""
     if layout == "seed":
