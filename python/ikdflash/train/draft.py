@@ -193,16 +193,16 @@ class DraftModel(nn.Module):
 
     def trainable_tensors(self) -> dict[str, np.ndarray]:
         """The weights under the reference's names (embedding and head excluded: borrowed)."""
-        out = {}
-        for name, value in self.state_dict().items():
-            hf = name
-            for ours, theirs in (("gate_proj", "mlp.gate_proj"), ("up_proj", "mlp.up_proj"),
-                                 ("down_proj", "mlp.down_proj")):
-                hf = hf.replace(f".{ours}.", f".{theirs}.")
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
-                hf = hf.replace(f".{proj}.", f".self_attn.{proj}.")
-            out[hf] = value.detach().cpu().numpy()
-        return out
+        return {reference_name(name): value.detach().cpu().numpy() for name, value in self.state_dict().items()}
+
+
+def reference_name(name: str) -> str:
+    """A weight's name in the reference model: our modules drop its "self_attn." and "mlp." levels."""
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        name = name.replace(f".{proj}.", f".mlp.{proj}.")
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+        name = name.replace(f".{proj}.", f".self_attn.{proj}.")
+    return name
 
 
 def save_checkpoint(model: DraftModel, folder: Path) -> Path:
@@ -279,12 +279,10 @@ def init_from_draft(model: DraftModel, path: str | Path) -> None:
     for what, (theirs, ours) in header.items():
         if theirs != ours:
             raise ValueError(f"draft {path}: {what} {theirs}, but this run's draft has {ours}")
-    ours_by_gguf = {gguf_name: hf for hf, gguf_name in GLOBAL_TENSORS.items()}
-    ours_by_gguf |= {f"blk.{il}.{gguf_name}": f"layers.{il}.{hf}" for il in range(cfg.n_layer)
-                     for hf, gguf_name in LAYER_TENSORS.items()}
-    # our module names drop the reference's "self_attn." and "mlp." levels
-    ours_by_gguf = {g: hf.replace("self_attn.", "").replace("mlp.", "") for g, hf in ours_by_gguf.items()}
+    gguf_names = dict(GLOBAL_TENSORS) | {f"layers.{il}.{hf}": f"blk.{il}.{gguf_name}" for il in range(cfg.n_layer)
+                                         for hf, gguf_name in LAYER_TENSORS.items()}
     state = model.state_dict()
+    ours_by_gguf = {gguf_names[reference_name(name)]: name for name in state}
     found = {t.name: t for t in reader.tensors}
     missing = sorted(set(ours_by_gguf) - set(found))
     if missing:
