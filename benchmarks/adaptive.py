@@ -32,14 +32,14 @@ from pathlib import Path
 import gguf
 from ikdflash import Engine
 from ikdflash._core import BlockController
-from ikdflash.hub import DEFAULT_PAIR, resolve_pair
+from ikdflash.hub import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS, resolve_pair
 
 # the tests' GGUF rewriter; overhead.py's always-right pair is beside this script
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from gguf_edit import rewrite
 from overhead import always_right_pair
 
-SYSTEM = "You are a helpful assistant."
+SYSTEM = PAIR_CHAT_DEFAULTS[DEFAULT_PAIR]["system"]  # what `ikdflash chat` sends with the built-in pair
 QUESTIONS = ["Explain rainbows to a child.", "What is the capital of France, and why is it famous?",
              "Give me three tips for learning to cook.", "Write a short poem about the sea."]
 PASSAGE = ("The river town was built where the water slows, and every spring the people watched the bridge, "

@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 from ikdflash.chat import chat_template, render
-from ikdflash.hub import DEFAULT_PAIR, resolve_pair
+from ikdflash.hub import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS, resolve_pair
 from ikdflash.model import Model
 from ikdflash.train.corpus import read_conversations
 
-SYSTEM = "You are a helpful assistant."
+SYSTEM = PAIR_CHAT_DEFAULTS[DEFAULT_PAIR]["system"]  # what `ikdflash chat` sends with the built-in pair
 
 
 def main() -> int:

@@ -14,11 +14,11 @@ import json
 import sys
 from pathlib import Path
 
-from ikdflash.hub import DEFAULT_PAIR, resolve_pair
+from ikdflash.hub import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS, resolve_pair
 from ikdflash.train import held_out_prompts
 from ikdflash.train.evaluate import measure_acceptance
 
-SYSTEM = "You are a helpful assistant."
+SYSTEM = PAIR_CHAT_DEFAULTS[DEFAULT_PAIR]["system"]  # what `ikdflash chat` sends with the built-in pair
 
 
 def main() -> int:

@@ -26,12 +26,12 @@ from pathlib import Path
 from ikdflash import Server
 from ikdflash.chat import chat_template, render
 from ikdflash.client import post_json
-from ikdflash.hub import DEFAULT_PAIR, resolve_pair
+from ikdflash.hub import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS, resolve_pair
 from ikdflash.model import Model
 from ikdflash.spectype import SpecType
 from ikdflash.train.corpus import read_conversations
 
-SYSTEM = "You are a helpful assistant."
+SYSTEM = PAIR_CHAT_DEFAULTS[DEFAULT_PAIR]["system"]  # what `ikdflash chat` sends with the built-in pair
 FOLLOW_UP = "Can you say more about that?"
 OTHER = "Write a short poem about a lighthouse keeper and the sea at night."
 PATHS = ("edit", "ram-cache", "slot-restore")
