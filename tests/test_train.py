@@ -294,7 +294,7 @@ def test_answers_beside_the_corpus_with_a_cut_head_and_one_schedule(target, tmp_
             "--data-rows", "1500", "--corpus-rows", "1500", "--data-share", "0.7", "--seq-len", "256",
             "--window", "8", "--block-size", "5", "--layout", "all-sliding", "--head-vocab", "100",
             "--total-minutes", "0.02", "--minutes", "5", "--outtype", "f32", "--eval-prompts", "2",
-            "--eval-tokens", "16", "--threads", "2"]
+            "--eval-tokens", "16", "--threads", "2", "--gamma", "1.5"]
     assert main(argv) == 0
     answers = json.loads((out / "data" / "meta.json").read_text())
     assert answers["kind"] == "generated" and answers["n_rows"] >= 1500
@@ -308,7 +308,9 @@ def test_answers_beside_the_corpus_with_a_cut_head_and_one_schedule(target, tmp_
                               np.arange(4, dtype=np.int32), 65, 4)
     assert set(tokens) <= set(ids)
     # the schedule is spent: the same command again resumes and trains no further step
-    steps = json.loads((out / "stages.json").read_text())[-1]["to_step"]
+    stage = json.loads((out / "stages.json").read_text())[-1]
+    assert stage["gamma"] == 1.5
+    steps = stage["to_step"]
     assert main(argv) == 0
     assert json.loads((out / "stages.json").read_text())[-1]["to_step"] == steps
 
@@ -383,6 +385,8 @@ def test_bad_input_is_refused(trained, target, tmp_path, capsys):
 
     assert main(base + ["--out", str(tmp_path / "a"), "--minutes", "0"]) == 2
     assert "--minutes must be positive" in capsys.readouterr().err
+    assert main(base + ["--out", str(tmp_path / "g"), "--gamma", "0"]) == 2
+    assert "--gamma must be positive" in capsys.readouterr().err
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

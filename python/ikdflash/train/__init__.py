@@ -72,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fit = parser.add_argument_group("training")
     fit.add_argument("--labels", choices=("target", "corpus"), default="target",
                      help="target: the target's greedy tokens (default); corpus: the text's own tokens")
+    fit.add_argument("--gamma", type=float, default=4.0,
+                     help="loss weight exp(-(j-1)/gamma) of block position j (default 4; smaller puts more of "
+                          "the loss on the first draft tokens, which a CPU verifies most)")
     fit.add_argument("--off-path-weight", type=float, default=1.0,
                      help="weight of target labels past where the text leaves the target's path (default 1)")
     fit.add_argument("--head-vocab", type=int, default=DEFAULTS["head_vocab"],
@@ -159,7 +162,7 @@ def _run(args: argparse.Namespace) -> int:
 
     # checked before anything is made
     settings = loop.TrainSettings(minutes=args.minutes, seed=args.seed, lr=args.lr, labels=args.labels,
-                                  off_path_weight=args.off_path_weight, first_share=args.data_share,
+                                  off_path_weight=args.off_path_weight, first_share=args.data_share, gamma=args.gamma,
                                   head_vocab=args.head_vocab, max_steps=args.max_steps, n_threads=args.threads,
                                   snapshot_minutes=args.snapshot_minutes, total_minutes=args.total_minutes)
     args.target = str(resolve(args.target, role="target"))
@@ -217,7 +220,8 @@ def _run(args: argparse.Namespace) -> int:
     stages_path = out / "stages.json"
     stages = json.loads(stages_path.read_text()) if stages_path.is_file() else []
     stage: dict[str, Any] = {"command": shlex.join(["ikdflash", *args.argv]), "labels": args.labels,
-                             "off_path_weight": args.off_path_weight, "seed": args.seed, "init": args.init,
+                             "off_path_weight": args.off_path_weight, "gamma": args.gamma, "seed": args.seed,
+                             "init": args.init,
                              "data_rows": sum(d.n_rows for d in datasets),
                              "data_kinds": sorted({d.meta["kind"] for d in datasets})}
     state = loop.train(model, datasets, settings, checkpoint, on_snapshot=snapshot)

@@ -60,7 +60,8 @@ class TrainSettings:
     total_minutes: float | None = None
 
     def __post_init__(self) -> None:
-        for flag, value in (("--minutes", self.minutes), ("--total-minutes", self.total_minutes)):
+        for flag, value in (("--minutes", self.minutes), ("--total-minutes", self.total_minutes),
+                            ("--gamma", self.gamma)):
             if value is not None and value <= 0:
                 raise ValueError(f"{flag} must be positive, got {value:g}")
         if self.labels not in LABELS:
