@@ -1,10 +1,12 @@
-"""The built-in pair's draft step with its head whole against cut to the ids the data uses most
+"""The built-in pair's draft step with its head as shipped against cut to the ids the data uses most
 (dflash.head_token_ids), per number of tokens proposed, and what the cut does to acceptance.
 
-    python benchmarks/draft_head.py [--ids 16384 8192] [--tokens 96] [--repeats 3] [--json out.json]
+    python benchmarks/draft_head.py [--ids 16384 8192] [--tokens 96] [--repeats 3] [--keep DIR] [--json out.json]
 
 The cut is the --ids most frequent ids of the target's own greedy tokens over training
-conversations (never the held-out ones), written into a copy of the shipped draft. Each draft
+conversations (never the held-out ones), written into a copy of the shipped draft; when the
+shipped draft's head is cut already, only among its ids (a trained head never learnt to score the
+others low). --keep DIR keeps the copies there (cut-N.gguf), e.g. to ship one. Each draft
 speculates greedily on chat questions at fixed n_max 1..4 (a step proposes n_max tokens); the
 drafts take turns within each repeat, in one process, and the medians of draft milliseconds per
 step are reported with acceptance: compare ratios, not absolute times (shared, noisy machines).
@@ -57,20 +59,25 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--keep", type=Path, help="write the cut drafts here (default: a temporary folder)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
     target, shipped = resolve_pair(DEFAULT_PAIR)
     ranked = frequent_ids(target)
-    key = next(k for k in gguf.GGUFReader(shipped).fields if k.endswith(".dflash.block_size")).replace(
-        "block_size", "head_token_ids")
+    fields = gguf.GGUFReader(shipped).fields
+    key = next(k for k in fields if k.endswith(".dflash.block_size")).replace("block_size", "head_token_ids")
+    if key in fields:
+        ranked = ranked[np.isin(ranked, np.asarray(fields[key].contents()))]
     with tempfile.TemporaryDirectory() as tmp:
-        drafts = {"whole": shipped}
+        folder = Path(tmp) if args.keep is None else args.keep
+        folder.mkdir(parents=True, exist_ok=True)
+        drafts = {"shipped": shipped}
         for n in args.ids:
-            drafts[f"cut {n}"] = rewrite(shipped, Path(tmp) / f"cut-{n}.gguf",
+            drafts[f"cut {n}"] = rewrite(shipped, folder / f"cut-{n}.gguf",
                                          fields={key: sorted(int(i) for i in ranked[:n])})
         engines = {name: Engine(target, path, n_threads=args.threads) for name, path in drafts.items()}
-        prompts = chat_prompts(engines["whole"], QUESTIONS)
+        prompts = chat_prompts(engines["shipped"], QUESTIONS)
         ms: dict[tuple[str, int], list[float]] = {}
         accepted: dict[tuple[str, int], list[int]] = {}
         for _ in range(args.repeats):
@@ -97,7 +104,7 @@ def main() -> int:
             a = sum(accepted[(name, n)]) / max(1, sum(accepted[(name, -n)]))
             cells.append(f"{t:6.2f} ms {a:6.1%}")
             rows.append({"draft": name, "n": n, "draft_ms": round(t, 3), "acceptance": round(a, 4),
-                         "vs_whole": round(t / statistics.median(ms[("whole", n)]), 3)})
+                         "vs_shipped": round(t / statistics.median(ms[("shipped", n)]), 3)})
         print(f"{name:>12} " + " ".join(f"{c:>16}" for c in cells))
     if args.json:
         args.json.write_text(json.dumps({"tokens": args.tokens, "repeats": args.repeats, "threads": args.threads,
