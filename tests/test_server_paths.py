@@ -358,6 +358,23 @@ def test_a_full_kv_cache_splits_the_verification_batch(swa_pairs, tmp_path, arch
     assert not any(phrase in log for phrase in DRAFT_RESETS)
 
 
+@pytest.mark.parametrize("dflash", [False, True], ids=["plain", "dflash"])
+def test_a_second_slot_starts_its_recurrent_state_afresh(swa_pairs, tmp_path, dflash):
+    """On a hybrid target with two slots, a request on slot 1 after one on slot 0 answered as it
+    does alone only without graph reuse: its prompt's second batch of 16 reused the first one's
+    graph, which had reset the recurrent state at position 0 (patch 0034 reused multi-token
+    graphs; the reset is now part of what a reused graph must match). Found by a run under a CPU
+    hog, where two concurrent requests happened to be served one after the other."""
+    target, draft = swa_pairs["qwen35moe"]
+    args = ["--parallel", "2", "--batch-size", "16", "--ubatch-size", "16", *(dflash_args(draft) if dflash else [])]
+    second = completion(OTHER, 24, ignore_eos=True, cache_prompt=False, id_slot=1)
+    with Server(target, ctx_size=2048, n_threads=2, log_file=tmp_path / "alone.log", extra_args=args) as url:
+        alone = post_json(url + "/completion", second)["content"]
+    with Server(target, ctx_size=2048, n_threads=2, log_file=tmp_path / "after.log", extra_args=args) as url:
+        post_json(url + "/completion", completion(STORY, 24, ignore_eos=True, cache_prompt=False, id_slot=0))
+        assert post_json(url + "/completion", second)["content"] == alone
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
 def test_a_failed_capture_ends_its_request_and_the_server_goes_on(swa_pairs, tmp_path, arch):
     """A pass whose layer outputs cannot be captured (injected on the 20th captured output: the
