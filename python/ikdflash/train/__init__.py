@@ -177,7 +177,7 @@ def _run(args: argparse.Namespace) -> int:
     started = time.time()
 
     # --- data: the target over training conversations ------------------------------------------
-    training = (c for c in corpus.read_conversations(args.corpus) if not c.held_out)
+    training = corpus.training_conversations(args.corpus)
     dataset = data.build(args.target, training, args.data or out / "data", layer_ids=layer_ids, kind=args.kind,
                          max_rows=args.data_rows, seq_len=args.seq_len, seed=args.seed, n_threads=args.threads,
                          system=args.system)
@@ -185,7 +185,7 @@ def _run(args: argparse.Namespace) -> int:
           f"({dataset.meta['seconds'] / 60:.1f} min to make)", file=sys.stderr)
     built = [dataset]
     if args.corpus_rows:
-        training = (c for c in corpus.read_conversations(args.corpus) if not c.held_out)
+        training = corpus.training_conversations(args.corpus)
         built.append(data.build(args.target, training, out / "data-corpus", layer_ids=layer_ids, kind="corpus",
                                 max_rows=args.corpus_rows, seq_len=args.seq_len, n_threads=args.threads,
                                 system=args.system))

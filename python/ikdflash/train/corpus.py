@@ -133,3 +133,8 @@ def read_conversations(corpus: str | os.PathLike[str] | None = None, *,
         if count == 0:
             raise CorpusError(f"{path}: no conversation with a user turn (expected ShareGPT or chat-message "
                               "JSON/JSONL)")
+
+
+def training_conversations(corpus: str | os.PathLike[str] | None = None) -> Iterator[Conversation]:
+    """The conversations training may use: every one but the held-out 5%."""
+    return (c for c in read_conversations(corpus) if not c.held_out)

@@ -352,7 +352,7 @@ def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], fold
 def _build_command(args: argparse.Namespace) -> Dataset:
     from ikdflash.hub import resolve
     from ikdflash.model import Model
-    from ikdflash.train.corpus import read_conversations
+    from ikdflash.train.corpus import training_conversations
 
     target = str(resolve(args.target, role="target"))
     with Model(target, n_ctx=64) as model:
@@ -360,8 +360,7 @@ def _build_command(args: argparse.Namespace) -> Dataset:
     layer_ids = args.target_layers or default_layer_ids(n_layer)
     if any(not 0 <= i < n_layer for i in layer_ids):
         raise ValueError(f"--target-layers must lie in 0..{n_layer - 1} for this target, got {layer_ids}")
-    training = (c for c in read_conversations(args.corpus) if not c.held_out)
-    return build(target, training, args.folder, layer_ids=layer_ids, kind=args.kind, max_rows=args.rows,
+    return build(target, training_conversations(args.corpus), args.folder, layer_ids=layer_ids, kind=args.kind, max_rows=args.rows,
                  seq_len=args.seq_len, seed=args.seed, n_threads=args.threads, system=args.system)
 
 
