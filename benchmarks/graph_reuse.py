@@ -21,23 +21,19 @@ import statistics
 from pathlib import Path
 
 from ikdflash import _core
+from pass_cost import add_target_and_rows, check_target_and_rows  # beside this script
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", type=Path, help="target GGUF (default: the built-in pair's, downloaded once)")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    add_target_and_rows(parser, [1, 2, 3, 4, 5])
     parser.add_argument("--context", type=int, default=256, help="cached tokens before every pass")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--passes", type=int, default=6, help="passes per mode, row count and round")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
-    if args.rows[0] != 1:
-        parser.error("--rows must start with 1 (the other counts are reported against it)")
-    if args.target is None:
-        from ikdflash.hub import DEFAULT_PAIR, resolve_pair
-        args.target = resolve_pair(DEFAULT_PAIR)[0]
+    check_target_and_rows(parser, args)
 
     most = max(args.rows) + 1
     model = _core.Model(str(args.target), n_ctx=args.context + most, n_threads=args.threads, n_batch=most)

@@ -31,6 +31,23 @@ from pathlib import Path
 from ikdflash import _core
 
 
+def add_target_and_rows(parser: argparse.ArgumentParser, rows: list[int]) -> None:
+    """--target and --rows, as the pass-cost benchmarks take them."""
+    parser.add_argument("--target", type=Path, help="target GGUF (default: the built-in pair's, downloaded once)")
+    parser.add_argument("--rows", type=int, nargs="+", default=rows)
+
+
+def check_target_and_rows(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--rows must start at one row (the others are reported against it); no --target: the
+    built-in pair's."""
+    if args.rows[0] != 1:
+        parser.error("--rows must start with 1 (the other counts are reported against it)")
+    if args.target is None:
+        from ikdflash.hub import DEFAULT_PAIR, resolve_pair
+
+        args.target = resolve_pair(DEFAULT_PAIR)[0]
+
+
 def measure(path: Path, repack: bool, rows: list[int], contexts: list[int], repeats: int, threads: int) -> dict:
     model = _core.Model(str(path), n_ctx=max(contexts) + max(rows), n_threads=threads, n_batch=max(rows),
                         repack=repack)
@@ -48,19 +65,14 @@ def measure(path: Path, repack: bool, rows: list[int], contexts: list[int], repe
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", type=Path, help="target GGUF (default: the built-in pair's, downloaded once)")
+    add_target_and_rows(parser, [1, 2, 3, 4, 5, 6, 8, 12, 16])
     parser.add_argument("--types", nargs="+", default=["shipped", "Q4_0", "Q8_0", "Q4_K_M", "Q6_K", "IQ4_XS", "IQ4_NL"])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 12, 16])
     parser.add_argument("--contexts", type=int, nargs="+", default=[64, 512, 2048])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
-    if args.rows[0] != 1:
-        parser.error("--rows must start with 1 (the other counts are reported against it)")
-    if args.target is None:
-        from ikdflash.hub import DEFAULT_PAIR, resolve_pair
-        args.target = resolve_pair(DEFAULT_PAIR)[0]
+    check_target_and_rows(parser, args)
     bandwidth = _core.memory_read_bandwidth(args.threads)
     print(f"memory read, {args.threads} threads: {bandwidth:.1f} GB/s")
     header = f"{'type':>8} {'rtr':>3} {'MB':>5} {'floor':>6} {'ctx':>5} {'1 row':>7} | " + " ".join(
