@@ -7,15 +7,15 @@ Workloads, each generated greedily by one engine per pair, on 2 threads:
     useless       the built-in SmolLM2 target with its draft reading the target's layers in
                   reverse order (same cost, acceptance near 0): DFlash must not cost much here
     built-in      the built-in pair (shipped draft) on chat questions
-    mixed         the built-in pair on requests that alternate between a chat question and
-                  copying a passage back, where a draft that reads the target's states can be right
+    mixed         the built-in pair on requests that alternate between a chat question and a
+                  listing (counting, the alphabet), where the shipped draft is often right
     always-right  the tiny pair of benchmarks/overhead.py (every draft accepted)
 
 For each workload: tokens/s of the target alone, of fixed n_max 1, 2, 3, 4, and of the adaptive
-block length with n_max 4 (which may choose any k in 0..4 each step), as ratios to the target
-alone: for each request of --repeats rounds the target alone runs right before the modes, and
-the ratio reported is the median of those per-request ratios. Every output must equal the target
-alone's (exit 1 otherwise). Also: the controller's own cost per step,
+block length with n_max 4 (which may choose any k in 0..4 each step), each over a whole round of
+the workload's requests and as a ratio to the target alone in the same round, and the adaptive
+mode's ratio to the best fixed choice of its round (k = 0, the target alone, included): medians
+over --repeats rounds. Every output must equal the target alone's (exit 1 otherwise). Also: the controller's own cost per step,
 through Python (an upper bound of its C++ cost), against a one-row target pass.
 """
 
@@ -42,9 +42,9 @@ from overhead import always_right_pair
 SYSTEM = PAIR_CHAT_DEFAULTS[DEFAULT_PAIR]["system"]  # what `ikdflash chat` sends with the built-in pair
 QUESTIONS = ["Explain rainbows to a child.", "What is the capital of France, and why is it famous?",
              "Give me three tips for learning to cook.", "Write a short poem about the sea."]
-PASSAGE = ("The river town was built where the water slows, and every spring the people watched the bridge, "
-           "counted the planks, and argued about whether this would be the year the flood took it away.")
-COPY = f"Repeat this text exactly, word for word:\n\n{PASSAGE}"
+# requests whose answers the shipped draft predicts well (fixed n_max 4: tau ~2.1 and ~1.6)
+LISTINGS = ["Count from 1 to 60, separated by commas.",
+            "Write the English alphabet from A to Z, with a space between letters."]
 FIXED = (1, 2, 3, 4)
 
 
@@ -61,12 +61,15 @@ def chat_prompts(engine: Engine, questions: list[str]) -> list[list[int]]:
 
 
 def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, repeats: int) -> dict:
-    """tokens/s per mode (medians over requests), each mode's ratio to the target alone (the
-    median of per-request ratios: the target alone runs right before each request's modes, so the
-    machine's drift cancels) and the adaptive mode's choices, for one pair."""
+    """Each mode's tokens/s over a whole round of the workload's requests, its ratio to the target
+    alone in the same round, and the adaptive mode's ratio to the best fixed choice of that round
+    (the target alone, k = 0, included): medians over rounds. Within a round every request runs in
+    every mode back to back, so the machine's drift cancels in the ratios; a mixed workload's
+    worth is the whole round's, not a typical request's."""
     modes = ["alone"] + [f"fixed {k}" for k in FIXED] + ["adaptive"]
     speeds: dict[str, list[float]] = {m: [] for m in modes}
     ratios: dict[str, list[float]] = {m: [] for m in modes}
+    vs_best_fixed: list[float] = []
     plain_share, by_k, probes = [], [0] * 5, 0
     # the adaptive mode has an engine of its own: its controller carries what it learnt from one
     # request to the next, as in a server's slot, which a fixed run in between would reset
@@ -79,6 +82,8 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
             fixed.speculate(prompt, max_tokens=tokens, n_max=4, adaptive=False)
             adaptive.speculate(prompt, max_tokens=tokens, n_max=4)
         for r in range(repeats):
+            generated = dict.fromkeys(modes, 0)
+            seconds = dict.fromkeys(modes, 0.0)
             for prompt in prompts:
                 alone = plain.generate(prompt, max_tokens=tokens)
                 outs = {"alone": alone,
@@ -88,15 +93,21 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
                 for mode, out in outs.items():
                     if out.tokens != alone.tokens:
                         sys.exit(f"{name}: {mode} turned from the target alone's output")
-                    speeds[mode].append(out.stats.generated / (out.stats.draft_time + out.stats.verify_time))
-                    ratios[mode].append(speeds[mode][-1] / speeds["alone"][-1])
+                    generated[mode] += out.stats.generated
+                    seconds[mode] += out.stats.draft_time + out.stats.verify_time
                 st = outs["adaptive"].stats
                 by_k = [a + b for a, b in zip(by_k, st.steps_by_verified, strict=True)]
                 plain_share.append(st.plain_share)
                 probes += st.probes
+            speed = {m: generated[m] / seconds[m] for m in modes}
+            for m in modes:
+                speeds[m].append(speed[m])
+                ratios[m].append(speed[m] / speed["alone"])
+            vs_best_fixed.append(speed["adaptive"] / max(speed[m] for m in modes if m != "adaptive"))
             print(f"  {name}: round {r + 1}/{repeats} done", file=sys.stderr)
     return {"tokens_per_second": {m: statistics.median(v) for m, v in speeds.items()},
             "ratio_to_alone": {m: statistics.median(v) for m, v in ratios.items()},
+            "adaptive_to_best_fixed": statistics.median(vs_best_fixed),
             "adaptive_steps_by_verified": by_k, "adaptive_plain_share": statistics.mean(plain_share),
             "adaptive_probes": probes}
 
@@ -133,8 +144,9 @@ def main() -> None:
         workloads = {
             "useless": (target, useless, lambda e: chat_prompts(e, QUESTIONS)),
             "built-in": (target, draft, lambda e: chat_prompts(e, QUESTIONS)),
-            "mixed": (target, draft, lambda e: chat_prompts(e, [QUESTIONS[0], COPY, QUESTIONS[3], COPY])),
-            "always-right": (tiny_target, tiny_draft, lambda e: [[(i * 7919) % 250 for i in range(64)]]),
+            "mixed": (target, draft, lambda e: chat_prompts(e, [QUESTIONS[0], LISTINGS[0], QUESTIONS[3], LISTINGS[1]])),
+            "always-right": (tiny_target, tiny_draft,
+                             lambda e: [[(i * 7919 + s) % 250 for i in range(64)] for s in range(4)]),
         }
         for name in args.workloads:
             t, d, prompts_of = workloads[name]
@@ -142,11 +154,13 @@ def main() -> None:
     alone = results[args.workloads[0]]["tokens_per_second"]["alone"]
     results["controller"] = controller_cost(1e3 / alone)
     modes = list(results[args.workloads[0]]["ratio_to_alone"])
-    print(f"{'workload':>13} | " + " ".join(f"{m:>9}" for m in modes) + " | adaptive: k=0 share, steps by k, probes")
+    print(f"{'workload':>13} | " + " ".join(f"{m:>9}" for m in modes)
+          + " | adaptive: to best fixed, k=0 share, steps by k, probes")
     for name in args.workloads:
         r = results[name]
         print(f"{name:>13} | " + " ".join(f"{r['ratio_to_alone'][m]:>8.2f}x" for m in modes)
-              + f" | {r['adaptive_plain_share']:.0%}, {r['adaptive_steps_by_verified']}, {r['adaptive_probes']}")
+              + f" | {r['adaptive_to_best_fixed']:.2f}x, {r['adaptive_plain_share']:.0%}, "
+              f"{r['adaptive_steps_by_verified']}, {r['adaptive_probes']}")
     c = results["controller"]
     print(f"controller: {c['us_per_step_through_python']:.1f} us a step through Python, "
           f"{c['share_of_a_one_row_pass']:.2%} of a one-row SmolLM2 pass")

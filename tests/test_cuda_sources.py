@@ -3,8 +3,10 @@
 Slow (`python -m pytest -m slow tests/test_cuda_sources.py`): it prepares the patched base tree,
 configures a CUDA build of it with CMake alone, and compiles, with the build's own command lines,
 the translation units that the patches touch: each patched .cu file, and each .cu file that
-includes a patched .cuh header directly. Skipped without nvcc, or without cuBLAS's headers
-(cublas_v2.h: in the toolkit, in Python's nvidia-cublas package, or under $CUBLAS_ROOT).
+includes a patched .cuh header directly; and a build trimmed to a few MMQ weight types (the
+device check's) compiles and dispatches those types only. Skipped without nvcc, or without
+cuBLAS's headers (cublas_v2.h: in the toolkit, in Python's nvidia-cublas package, or under
+$CUBLAS_ROOT).
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ def test_the_series_touches_cuda_sources():
     assert "ggml-cuda/argmax.cu" in patched_cuda_files()
 
 
-@pytest.mark.slow
-def test_patched_cuda_sources_compile_for_sm_90(tmp_path):
+@pytest.fixture(scope="module")
+def cuda_fork(tmp_path_factory):
+    """(the patched base tree, cuda_build_cost's module, cuBLAS's include folder), or a skip."""
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc")
     cost = load("cuda_build_cost", REPO / "benchmarks" / "cuda_build_cost.py")
@@ -57,10 +60,25 @@ def test_patched_cuda_sources_compile_for_sm_90(tmp_path):
         pytest.skip(cost.CUBLAS_HINT)
     basetree = load("basetree_cuda", BASE_DIR / "basetree.py")
     source = os.environ.get("IKDFLASH_BASE_SOURCE") or str(basetree.download_sdist(basetree.read_pin()))
-    fork = tmp_path / "fork"
+    fork = tmp_path_factory.mktemp("cuda") / "fork"
     basetree.prepare(fork, source)
-    entries = cost.configure(fork, tmp_path / "build", [], cublas)
-    units = {os.path.relpath(e["file"], fork / "ggml" / "src"): e for e in entries if e["file"].endswith(".cu")}
+    return fork, cost, cublas
+
+
+def cuda_units(fork: Path, entries: list[dict]) -> dict[str, dict]:
+    return {os.path.relpath(e["file"], fork / "ggml" / "src"): e for e in entries if e["file"].endswith(".cu")}
+
+
+def compile_unit(entry: dict, out: Path) -> subprocess.CompletedProcess:
+    argv = shlex.split(entry["command"])
+    argv[argv.index("-o") + 1] = str(out)
+    return subprocess.run(argv, cwd=entry["directory"], capture_output=True, text=True, timeout=1800, check=False)
+
+
+@pytest.mark.slow
+def test_patched_cuda_sources_compile_for_sm_90(cuda_fork, tmp_path):
+    fork, cost, cublas = cuda_fork
+    units = cuda_units(fork, cost.configure(fork, tmp_path / "build", [], cublas))
 
     wanted = set()
     for path in patched_cuda_files():
@@ -74,10 +92,7 @@ def test_patched_cuda_sources_compile_for_sm_90(tmp_path):
     assert wanted
     failures = []
     for unit in sorted(wanted):
-        argv = shlex.split(units[unit]["command"])
-        argv[argv.index("-o") + 1] = str(tmp_path / "unit.o")
-        r = subprocess.run(argv, cwd=units[unit]["directory"], capture_output=True, text=True, timeout=1800,
-                           check=False)
+        r = compile_unit(units[unit], tmp_path / "unit.o")
         if r.returncode != 0:
             failures.append(f"{unit}:\n{(r.stdout + r.stderr)[-4000:]}")
         elif shutil.which("cuobjdump"):  # machine code for Hopper in the object
@@ -85,3 +100,25 @@ def test_patched_cuda_sources_compile_for_sm_90(tmp_path):
                                  check=False)
             assert "sm_90" in elf.stdout, f"{unit}: {elf.stdout}{elf.stderr}"
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
+def test_an_mmq_type_list_builds_and_dispatches_those_types_only(cuda_fork, tmp_path):
+    """GGML_CUDA_MMQ_TYPES (patch 0037, the device check's trimmed build): only the listed types'
+    MMQ instance units are compiled, and the dispatchers reference no other type's kernels (else
+    the library would not link); an unknown type stops the configure with its name."""
+    fork, cost, cublas = cuda_fork
+    units = cuda_units(fork, cost.configure(fork, tmp_path / "build", ["-DGGML_CUDA_MMQ_TYPES=q4_1;Q8_0"], cublas))
+    instances = sorted(os.path.basename(u) for u in units if "mmq-instance" in u)
+    assert instances == ["mmq-instance-q4_1.cu", "mmq-instance-q4_1_id.cu",
+                         "mmq-instance-q8_0.cu", "mmq-instance-q8_0_id.cu"]
+    for unit, case in (("ggml-cuda/mmq.cu", "mul_mat_q_case<"), ("ggml-cuda/mmq_id.cu", "mul_mat_q_case_id<")):
+        r = compile_unit(units[unit], tmp_path / "unit.o")
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        undefined = subprocess.run(["nm", "-uC", str(tmp_path / "unit.o")], capture_output=True, text=True,
+                                   check=True).stdout
+        # GGML_TYPE_Q4_1 = 3, GGML_TYPE_Q8_0 = 8
+        assert sorted(re.findall(re.escape(case) + r"\(ggml_type\)(\d+)>", undefined)) == ["3", "8"], unit
+
+    with pytest.raises(RuntimeError, match="no MMQ kernels for type 'q9_9'"):
+        cost.configure(fork, tmp_path / "bad", ["-DGGML_CUDA_MMQ_TYPES=q4_1;q9_9"], cublas)
