@@ -103,6 +103,37 @@ def test_a_new_request_forgets_its_statistics_but_not_what_it_learnt():
     assert renewed.acceptance()[0] > kept.acceptance()[0] > before[0]
 
 
+def test_a_new_request_is_probed_at_its_first_plain_step():
+    """A request after one the draft never got right may be one it does (a listing after a chat
+    answer): its first plain step probes, whatever interval the last request had reached."""
+    ctl = BlockController(4, CPU_PASSES, CPU_DRAFT)
+    run_steps(ctl, 200, lambda step: False)
+    assert ctl.plan(4) == (0, 0)  # deep into the back-off
+    ctl.reset()
+    assert ctl.plan(4) == (1, 0)
+
+
+def test_rebuilding_the_graph_keeps_the_block_length_from_flipping():
+    """Where drafting pays about what it costs (n_max 1, the draft right six steps in a row, then
+    wrong six), a k whose pass shape differs from the last pass's also pays for the rebuilt graph:
+    the more that costs, the less often k changes."""
+    def switches(rebuild_ms: float) -> int:
+        ctl = BlockController(1, [1.0, 1.3], 0.15)
+        chosen = []
+        for step in range(400):
+            n_draft, k = ctl.plan(1)
+            right = (step // 6) % 2 == 0
+            if n_draft:
+                ctl.proposed([1 if right else 2] * n_draft)
+            ctl.observe_pass(k + 1, [1.0, 1.3][k] + (rebuild_ms if chosen and chosen[-1] != k else 0.0))
+            ctl.committed(k, [1] * (2 if k and right else 1))
+            chosen.append(k)
+        return sum(a != b for a, b in zip(chosen, chosen[1:]))
+
+    free, dear, dearer = switches(0.0), switches(0.5), switches(1.0)
+    assert free > dear > dearer, (free, dear, dearer)
+
+
 def test_an_estimate_reaches_one_for_a_draft_that_is_always_right():
     """The prior is discounted like an observation (down to a hundredth of one): a draft that is
     always right is not held below n_max by a prior that never fades (0.955 per position, 0.83

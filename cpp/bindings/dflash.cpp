@@ -328,6 +328,10 @@ public:
 
     void reset() { dflash_adapt_reset(adapt_.get()); }
 
+    // A target pass's time, as the engine reports each one (a pass of another shape than the one
+    // before rebuilt the target's graph).
+    void observe_pass(int n_rows, double ms) { dflash_costs_observe_pass(costs_.get(), n_rows, ms); }
+
     std::vector<float> acceptance() const {
         std::vector<float> p(n_max_);
         for (int j = 1; j <= n_max_; ++j) {
@@ -593,6 +597,7 @@ void bind_dflash(py::module_ & m) {
         .def("proposed", &BlockController::proposed, py::arg("tokens"))
         .def("committed", &BlockController::committed, py::arg("n_verified"), py::arg("tokens"))
         .def("reset", &BlockController::reset)
+        .def("observe_pass", &BlockController::observe_pass, py::arg("n_rows"), py::arg("ms"))
         .def("acceptance", &BlockController::acceptance)
         .def("stats", &BlockController::stats);
     py::class_<Engine>(m, "Engine")

@@ -43,6 +43,13 @@ constexpr double k_carry_over = 0.5;
 // so 46 steps). At 2% the built-in pair ran at 0.93-0.95x the target alone, 2.5% of it in probes.
 constexpr double k_probe_budget = 0.01;
 constexpr int k_max_probe_interval = 256;
+// A pass of another row count than the pass before rebuilds the target's graph (patch 0034 reuses
+// it only for the same shape): on SmolLM2's pair +1.0 ms on a 2-row pass after a 1-row one, +0.6
+// ms back, against 6.4 ms for a one-row pass. A change of k pays that once for a run of steps, so
+// the controller charges a k other than the last one this share of it per step: enough that a
+// draft kept about as often as it pays does not flip k at every step, not so much that a stretch
+// where drafting pays is left at k = 0.
+constexpr double k_switch_share = 0.25;
 // Pass costs follow the machine: running averages with these weights, and one observation moves
 // an estimate by at most this factor (a stall of the shared machine is not the new cost).
 constexpr double k_scale_weight = 0.1;
@@ -65,10 +72,17 @@ struct dflash_costs {
     std::vector<double> shape;     // [r], r = 1..max_rows; [0] unused
     double scale_ms = 0.0;         // t_pass(1); 0 until measured
     std::vector<double> draft_ms;  // [n]: a draft step proposing n tokens; 0 until measured
+    double switch_ms = 0.0;        // what a pass of another shape than the one before costs more
     bool frozen = false;           // set by IKDFLASH_COSTS: observations are ignored
     int last_rows = 0;             // rows of the pass observed before
 
     double pass_ms(int rows) const { return scale_ms * shape[std::clamp(rows, 1, max_rows)]; }
+
+    // A pass of `rows` rows as the next one, a rebuilt graph's cost shared over a run of steps
+    // included where the pass before had another shape.
+    double next_pass_ms(int rows) const {
+        return pass_ms(rows) + (rows == last_rows ? 0.0 : k_switch_share * switch_ms);
+    }
 
     // A step proposing n tokens runs the draft's head on n rows, which for a large vocabulary costs
     // more than its layers (SmolLM2's pair: 2.1 ms for 1 token, 3.2 ms for 4). A count not yet seen
@@ -88,14 +102,21 @@ struct dflash_costs {
         return 0.0;
     }
 
-    // Only a pass of as many rows as the one before counts: the target reuses its graph for it
-    // (patch 0034), as in a run of steps verifying the same k, which is what the controller
-    // chooses between; a pass of another shape also paid to rebuild the graph. Counting those
-    // made a k the controller seldom chose look dearer than it is, and kept it seldom chosen.
+    // Only a pass of as many rows as the one before counts for the pass costs: the target reuses
+    // its graph for it (patch 0034), as in a run of steps verifying the same k; counting passes
+    // that rebuilt the graph made a k the controller seldom chose look dearer than it is, and kept
+    // it seldom chosen. What such a pass costs more goes to switch_ms instead.
     void observe_pass(int rows, double ms) {
         const bool same_shape = rows == last_rows;
         last_rows = rows;
-        if (frozen || !same_shape || rows < 1 || rows > max_rows || !(ms > 0.0)) {
+        if (frozen || rows < 1 || rows > max_rows || !(ms > 0.0)) {
+            return;
+        }
+        if (!same_shape) {
+            if (scale_ms > 0.0) {
+                const double extra = std::clamp(ms - pass_ms(rows), 0.0, pass_ms(rows));
+                switch_ms += k_scale_weight * (extra - switch_ms);
+            }
             return;
         }
         if (scale_ms <= 0.0) {
@@ -204,12 +225,12 @@ struct dflash_adapt {
             return n_limit;  // nothing measured yet: speculate, which measures
         }
         int best = 0;
-        double best_rate = 1.0 / costs->pass_ms(1);
+        double best_rate = 1.0 / costs->next_pass_ms(1);
         double expected = 1.0, kept_through = 1.0;
         for (int k = 1; k <= n_limit; ++k) {
             kept_through *= acceptance(k);
             expected += kept_through;
-            const double rate = expected / (costs->draft_cost(drafted_for(k, n_limit)) + costs->pass_ms(k + 1));
+            const double rate = expected / (costs->draft_cost(drafted_for(k, n_limit)) + costs->next_pass_ms(k + 1));
             if (rate > best_rate) {
                 best = k;
                 best_rate = rate;
@@ -276,8 +297,13 @@ struct dflash_adapt {
             seen[j] *= k_carry_over;
             prior[j] = std::max(k_prior_floor, k_carry_over * prior[j]);
         }
-        pending.clear();  // the probe schedule carries over too: a draft that missed all through the
-        stats = {};       // last request does not get probed at every step of the next one's start
+        // A new request may be one the draft gets right (a listing after a chat answer): probe at
+        // its first plain step, and back off from there (a useless draft costs ~log2 of the
+        // longest interval probes more a request).
+        probe_interval = 1;
+        since_probe = 0;
+        pending.clear();
+        stats = {};
     }
 };
 

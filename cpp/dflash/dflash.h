@@ -170,7 +170,10 @@ LLAMA_API void dflash_seq_restore_state(const dflash_seq * seq);
 // The draft's cost is measured per tokens proposed (its head runs on that many rows). At k = 0 an
 // occasional probe (a draft step of one token, compared, not verified; its interval doubles with
 // each miss, up to where probes cost 1% of plain decoding, and halves with each hit) notices when
-// the draft becomes right again.
+// the draft becomes right again; a new request (dflash_adapt_reset) is probed at its first plain
+// step. A k whose pass has another row count than the last pass also pays for rebuilding the
+// target's graph (measured), a quarter of it per step, so k does not flip at every step where
+// drafting pays about what it costs.
 //
 // Usage, per step of a sequence (the draft's cross-context is fed by every target pass anyway):
 //   plan = dflash_adapt_plan_step(adapt, n_limit);      // n_limit: what block, budget, context allow
@@ -195,8 +198,8 @@ LLAMA_API int    dflash_costs_calibrate(dflash_costs * costs, llama_context * ct
 LLAMA_API int    dflash_costs_set_passes(dflash_costs * costs, const double * pass_ms);
 // Observed times (a pass over n_rows rows of any sequences; a draft step proposing n_tokens),
 // folded into the estimates. A pass counts only after one of as many rows (the steady cost of a
-// k: the target reuses its graph for a pass of the same shape); every pass must be reported, a
-// larger one than max_rows too, for that.
+// k: the target reuses its graph for a pass of the same shape), one after another shape for what
+// rebuilding the graph costs more; every pass must be reported, a larger one than max_rows too.
 LLAMA_API void   dflash_costs_observe_pass(dflash_costs * costs, int n_rows, double ms);
 LLAMA_API void   dflash_costs_observe_draft(dflash_costs * costs, int n_tokens, double ms);
 LLAMA_API double dflash_costs_pass_ms(const dflash_costs * costs, int n_rows);     // 0 while unknown

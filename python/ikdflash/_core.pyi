@@ -108,6 +108,9 @@ class BlockController:
     def proposed(self, tokens: list[int]) -> None: ...
     def committed(self, n_verified: int, tokens: list[int]) -> None: ...
     def reset(self) -> None: ...
+    def observe_pass(self, n_rows: int, ms: float) -> None:
+        """A target pass's time, as the engine reports each one: its cost if it had as many rows
+        as the pass before, else what rebuilding the target's graph costs more."""
     def acceptance(self) -> list[float]:
         """The estimate of p_j (draft token j kept, given the ones before it were), j = 1..n_max."""
     def stats(self) -> dict[str, Any]:
