@@ -189,9 +189,9 @@ def main() -> None:
                         help="the longest C++ unit (unicode-data.cpp, ~33 s on this machine)")
     parser.add_argument("--serial-seconds", type=float, default=60.0,
                         help="what does not run in parallel: configure, patching, links, the wheel")
-    parser.add_argument("--keep-quants", default="q4_1,q8_0,q4_k,q5_k,q6_k,iq4_xs",
-                        help="also estimate a build whose mmq/mmvq instances are only these types (the tests' "
-                             "Q4_1/Q8_0, the seed pair's K-quants and IQ4_XS); empty: no such estimate")
+    parser.add_argument("--keep-mmvq", default="q4_0,q4_1,q8_0,q4_k,q5_k,q6_k,iq4_xs",
+                        help="also estimate the device check with mmvq instances of these types only (as its "
+                             "GGML_CUDA_MMQ_TYPES does for mmq); empty: no such estimate")
     parser.add_argument("--reuse", action="store_true", help="keep the samples of --json's earlier run")
     parser.add_argument("--list", action="store_true", help="list the translation units and stop")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
@@ -317,14 +317,14 @@ def main() -> None:
 
     for name in trees:
         report["estimates"][name] = estimate(name, list(units[name]))
-    # What a type filter for the quantized matrix kernels would leave (the base has none: it
-    # would take a patch): only the mmq/mmvq instances of --keep-quants.
-    keep = {q.strip().lower() for q in args.keep_quants.split(",") if q.strip()}
+    # What a type filter for the matrix-vector kernels would leave too (MMQ has one since patch
+    # 0037, GGML_CUDA_MMQ_TYPES; MMVQ has none: it would take another patch).
+    keep = {q.strip().lower() for q in args.keep_mmvq.split(",") if q.strip()}
     if keep:
         def kept(p: str) -> bool:
-            m = re.search(r"/(mmq|mmvq)-instance-(\w+?)(_id)?\.cu$", p)
-            return m is None or m.group(2).lower() in keep
-        hypothetical = f"device-check + MMQ/MMVQ types {','.join(sorted(keep))} (no such option yet)"
+            m = re.search(r"/mmvq-instance-(\w+)\.cu$", p)
+            return m is None or m.group(1).lower() in keep
+        hypothetical = f"device-check + MMVQ types {','.join(sorted(keep))} (no such option)"
         report["configs"][hypothetical] = report["configs"]["device-check"] + [f"(keep {','.join(sorted(keep))})"]
         report["estimates"][hypothetical] = estimate("device-check", [p for p in units["device-check"] if kept(p)])
 
