@@ -78,8 +78,8 @@ struct dflash_costs {
 
     double pass_ms(int rows) const { return scale_ms * shape[std::clamp(rows, 1, max_rows)]; }
 
-    // A pass of `rows` rows as the next one, a rebuilt graph's cost shared over a run of steps
-    // included where the pass before had another shape.
+    // The next pass's cost if it has `rows` rows: with a share of a graph rebuild where the last
+    // pass had another shape.
     double next_pass_ms(int rows) const {
         return pass_ms(rows) + (rows == last_rows ? 0.0 : k_switch_share * switch_ms);
     }
@@ -230,7 +230,8 @@ struct dflash_adapt {
         for (int k = 1; k <= n_limit; ++k) {
             kept_through *= acceptance(k);
             expected += kept_through;
-            const double rate = expected / (costs->draft_cost(drafted_for(k, n_limit)) + costs->next_pass_ms(k + 1));
+            const double step_ms = costs->draft_cost(drafted_for(k, n_limit)) + costs->next_pass_ms(k + 1);
+            const double rate = expected / step_ms;
             if (rate > best_rate) {
                 best = k;
                 best_rate = rate;
