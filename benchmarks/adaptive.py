@@ -15,8 +15,9 @@ For each workload: tokens/s of the target alone, of fixed n_max 1, 2, 3, 4, and 
 block length with n_max 4 (which may choose any k in 0..4 each step), each over a whole round of
 the workload's requests and as a ratio to the target alone in the same round, and the adaptive
 mode's ratio to the best fixed choice of its round (k = 0, the target alone, included): medians
-over --repeats rounds. Every output must equal the target alone's (exit 1 otherwise). Also: the controller's own cost per step,
-through Python (an upper bound of its C++ cost), against a one-row target pass.
+over --repeats rounds. Every output must equal the target alone's (exit 1 otherwise). Also: the
+controller's own cost per step, through Python (an upper bound of its C++ cost), against a
+one-row target pass.
 """
 
 from __future__ import annotations

@@ -108,7 +108,8 @@ def test_an_mmq_type_list_builds_and_dispatches_those_types_only(cuda_fork, tmp_
     MMQ instance units are compiled, and the dispatchers reference no other type's kernels (else
     the library would not link); an unknown type stops the configure with its name."""
     fork, cost, cublas = cuda_fork
-    units = cuda_units(fork, cost.configure(fork, tmp_path / "build", ["-DGGML_CUDA_MMQ_TYPES=q4_1;Q8_0"], cublas))
+    entries = cost.configure(fork, tmp_path / "build", ["-DGGML_CUDA_MMQ_TYPES=q4_1;Q8_0"], cublas)
+    units = cuda_units(fork, entries)
     instances = sorted(os.path.basename(u) for u in units if "mmq-instance" in u)
     assert instances == ["mmq-instance-q4_1.cu", "mmq-instance-q4_1_id.cu",
                          "mmq-instance-q8_0.cu", "mmq-instance-q8_0_id.cu"]

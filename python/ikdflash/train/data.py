@@ -360,8 +360,8 @@ def _build_command(args: argparse.Namespace) -> Dataset:
     layer_ids = args.target_layers or default_layer_ids(n_layer)
     if any(not 0 <= i < n_layer for i in layer_ids):
         raise ValueError(f"--target-layers must lie in 0..{n_layer - 1} for this target, got {layer_ids}")
-    return build(target, training_conversations(args.corpus), args.folder, layer_ids=layer_ids, kind=args.kind, max_rows=args.rows,
-                 seq_len=args.seq_len, seed=args.seed, n_threads=args.threads, system=args.system)
+    return build(target, training_conversations(args.corpus), args.folder, layer_ids=layer_ids, kind=args.kind,
+                 max_rows=args.rows, seq_len=args.seq_len, seed=args.seed, n_threads=args.threads, system=args.system)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
