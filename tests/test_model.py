@@ -49,14 +49,17 @@ def test_prompt_longer_than_a_batch_gives_the_same_tokens(tiny_model):
             chunked.generate(prompt, max_tokens=12, stop_at_eog=False).tokens
 
 
-@pytest.mark.parametrize("n_embd", [96, 160])
-def test_quantized_rows_not_a_multiple_of_128_give_the_same_states_in_any_batch(tiny_model, n_embd):
+@pytest.mark.parametrize("weight_type", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n_embd", [96, 160, 576])
+def test_quantized_rows_not_a_multiple_of_128_give_the_same_states_in_any_batch(tiny_model, n_embd, weight_type):
     """The CPU multiplies Q4_1 (and Q5_1) weights by a batch of 32 or more tokens in another
     kernel, which lost a row's last blocks when its 32-wide block count was not a multiple of 4
     (SmolLM2's 576 = 18 blocks): prompt states then depended on how the prompt was batched, so a
-    cached prompt, a second slot or a speculative step changed the reply."""
+    cached prompt, a second slot or a speculative step changed the reply. Batches of 8 take the
+    few-row kernel (patch 0038), so the two kernels check each other here, the blocks after the
+    last whole group of 4 included (3, 5 and 18 blocks)."""
     path = tiny_model("llama", n_embd=n_embd, n_head=n_embd // 16, n_head_kv=n_embd // 32, n_ff=256,
-                      weight_type="Q4_1")
+                      weight_type=weight_type)
     with Model(path, n_ctx=256) as model:
         tokens = model.tokenize(TEXT * 2, add_special=False)[:48]
         whole, _ = model._native.layer_features(tokens, [model.n_layer - 2])
