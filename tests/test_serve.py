@@ -266,6 +266,35 @@ def test_bench_repeats_and_checks_every_output(pair, tmp_path, monkeypatch, caps
     assert "note: the sliding output for prompt 1 of length 16 turns from the target alone's at token 3" in err
 
 
+def test_bench_runs_the_target_alone_beside_the_draft(pair, monkeypatch):
+    """The speed-ups' two sides take turns request by request (the machine's drift cancels); the
+    every-layer-full draft runs after them."""
+    from ikdflash import bench
+    from ikdflash.engine import Engine
+    target, draft = pair
+    init, speculate, generate = Engine.__init__, Engine.speculate, Engine.generate
+    order = []
+
+    def recording_init(self, *args, full_attention=False, **kwargs):
+        self.full = full_attention
+        init(self, *args, full_attention=full_attention, **kwargs)
+
+    def recording_speculate(self, prompt, **options):
+        order.append("full" if self.full else "adaptive" if options["adaptive"] else "fixed")
+        return speculate(self, prompt, **options)
+
+    def recording_generate(self, prompt, **options):
+        order.append("alone")
+        return generate(self, prompt, **options)
+
+    monkeypatch.setattr(Engine, "__init__", recording_init)
+    monkeypatch.setattr(Engine, "speculate", recording_speculate)
+    monkeypatch.setattr(Engine, "generate", recording_generate)
+    assert bench.run(bench_args(["--target", str(target), "--draft", str(draft), "--lengths", "16", "--prompts", "2",
+                                 "--max-tokens", "4"])) == 0
+    assert order == ["fixed", "adaptive", "alone"] * 2 + ["full"] * 2
+
+
 def bench_args(argv: list[str]):
     import argparse
     from ikdflash import bench

@@ -12,8 +12,11 @@ Prompts (--prompts per length, each cut at another place) come from --text, or f
 ShareGPT conversations in the target's chat format (`ikdflash[train]` installs the corpus), or
 else from a built-in paragraph, repeated. The acceptance columns carry their standard error over
 verification steps ("steps" says how many).
-Each mode loads the models once and runs every length, in the same process, so the columns are
-comparable side by side; compare ratios, not absolute speeds, on shared machines. --repeat N
+The models load once and run every length in one process. The draft with its window honoured
+(fixed and adaptive) and the target alone take turns request by request, so the speed-ups are
+measured side by side (with --gpu-layers they load one after the other, or the GPU would hold the
+target twice); the every-layer-full draft runs last. Compare ratios, not absolute speeds, on
+shared machines. --repeat N
 runs every mode N times, round by round, and gives each tok/s column as the median of the rounds
 with half their range. At temperature 0 (the default) every output with the draft must equal the
 target alone's, token for token: the bench fails (exit 1) and says where when one does not.
@@ -30,6 +33,7 @@ fixed and the adaptive window-honoured speeds over the target alone's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
@@ -273,40 +277,60 @@ def top_two_gap(out: SpeculationResult, at: int) -> float:
     return 1.0 - math.exp(second - first)
 
 
+def engine_groups(args: argparse.Namespace) -> list[tuple[str, ...]]:
+    """Engines loaded together, group after group. The draft engine with the window honoured
+    (its fixed and adaptive modes) and the target alone take turns request by request, so their
+    speeds are measured side by side and the machine's drift cancels in the speed-ups; with
+    --gpu-layers they load one after the other (the GPU would hold the target twice). The
+    full-attention engine comes last: its acceptance is what its columns are for."""
+    first = ("sliding",) if args.no_baseline else ("sliding", "no_draft")
+    return ([first] if args.gpu_layers == 0 else [(name,) for name in first]) + [("full_attention",)]
+
+
+ENGINE_MODES = {"sliding": ("sliding", "adaptive"), "no_draft": ("no_draft",), "full_attention": ("full_attention",)}
+
+
 def measure(args: argparse.Namespace, window: int) -> tuple[list[Row], Check]:
     """Every mode at every length, --repeat rounds each: the rows, and at temperature 0 the
     check of every speculative output (with the target's top two log-probabilities per token,
     which cost every mode alike)."""
     n_ctx = max(args.lengths) + args.max_tokens + 16
     text = prompt_text(args, chat_template(args.target))
-    modes = MODES[:3] if args.no_baseline else MODES
+    groups = engine_groups(args)
     results: dict[str, dict[int, Cell]] = {m: {n: Cell() for n in args.lengths} for m in MODES}
     outputs: dict[tuple[str, int, int], SpeculationResult] = {}
     check = Check()
     greedy = args.temperature == 0
-    total, done = len(modes) * len(args.lengths) * args.prompts * args.repeat, 0
-    for mode in modes:
-        with Engine(args.target, None if mode == "no_draft" else args.draft, n_ctx=n_ctx, n_threads=args.threads,
-                    n_gpu_layers=args.gpu_layers, full_attention=(mode == "full_attention")) as engine:
-            prompts = prompts_for(engine, args.lengths, args.prompts, text)
+    options = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
+               "logprobs": 2 if greedy else 0}
+    n_modes = sum(len(ENGINE_MODES[name]) for group in groups for name in group)
+    total, done = n_modes * len(args.lengths) * args.prompts * args.repeat, 0
+    for group in groups:
+        with contextlib.ExitStack() as stack:
+            engines = {name: stack.enter_context(Engine(
+                args.target, None if name == "no_draft" else args.draft, n_ctx=n_ctx, n_threads=args.threads,
+                n_gpu_layers=args.gpu_layers, full_attention=(name == "full_attention"))) for name in group}
+            prompts = prompts_for(next(iter(engines.values())), args.lengths, args.prompts, text)
             for _ in range(args.repeat):
                 for length in args.lengths:
-                    round_ = []
+                    rounds: dict[str, list[SpeculationStats]] = {}
                     for i, prompt in enumerate(prompts[length]):
-                        progress(done, total, f"{mode}, {length} tokens")
-                        options = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
-                                   "logprobs": 2 if greedy else 0}
-                        if mode == "no_draft":
-                            out = engine.generate(prompt, **options)
-                        else:
-                            out = engine.speculate(prompt, n_max=args.n_max, adaptive=(mode == "adaptive"), **options)
-                        assert out.stats is not None
-                        round_.append(out.stats)
-                        outputs[(mode, length, i)] = out
-                        if greedy and mode != "no_draft" and (at := not_the_targets_choice(out)) is not None:
-                            check.not_the_targets_choice.append((mode, length, i, at))
-                        done += 1
-                    results[mode][length].rounds.append(round_)
+                        for name, engine in engines.items():
+                            for mode in ENGINE_MODES[name]:
+                                progress(done, total, f"{mode}, {length} tokens")
+                                if mode == "no_draft":
+                                    out = engine.generate(prompt, **options)
+                                else:
+                                    out = engine.speculate(prompt, n_max=args.n_max, adaptive=(mode == "adaptive"),
+                                                           **options)
+                                assert out.stats is not None
+                                rounds.setdefault(mode, []).append(out.stats)
+                                outputs[(mode, length, i)] = out
+                                if greedy and mode != "no_draft" and (at := not_the_targets_choice(out)) is not None:
+                                    check.not_the_targets_choice.append((mode, length, i, at))
+                                done += 1
+                    for mode, round_ in rounds.items():
+                        results[mode][length].rounds.append(round_)
     progress(done, total, "done")
     print(file=sys.stderr)
     rows = []
