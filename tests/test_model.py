@@ -69,6 +69,40 @@ def test_quantized_rows_not_a_multiple_of_128_give_the_same_states_in_any_batch(
     assert error < 0.02, f"states differ by {100 * error:.1f}% between a batch of 48 and batches of 8"
 
 
+REPACKED_STATES = """
+import sys
+import numpy as np
+from ikdflash import _core
+path, tokens = sys.argv[1], [int(t) for t in sys.argv[2].split(",")]
+states = {}
+for repack in (False, True):
+    model = _core.Model(path, n_ctx=256, n_batch=8, n_threads=2, repack=repack)
+    try:
+        states[repack] = model.layer_features(tokens, [0, 1])[0]
+    finally:
+        model.close()
+print(np.abs(states[True] - states[False]).max() / np.abs(states[False]).max())
+"""
+
+
+def test_iq4_nl_weights_repacked_compute_what_they_compute_as_stored(tiny_model, tmp_path):
+    """With run-time repacking (llama-server's -rtr) IQ4_NL weights take a kernel of their own,
+    whose blocks after the last whole group of 4 read the activations' block sums (int16) as
+    bf16: SmolLM2's rows of 576 weights (18 blocks) came out NaN, and the flash attention aborted
+    (patch 0039). IQ4_XS targets took that path too: rows not a multiple of 256 fall back to
+    IQ4_NL. In a subprocess, since the unfixed kernel aborts."""
+    from ikdflash import _core
+    f32 = tiny_model("llama", n_layer=3, n_embd=576, n_head=9, n_head_kv=3, head_dim=64, n_ff=256)
+    path = tmp_path / "iq4_nl.gguf"
+    _core.quantize(str(f32), str(path), "IQ4_NL", 2)
+    tokens = ",".join(str(3 + (7 * i) % 240) for i in range(24))
+    run = subprocess.run([sys.executable, "-c", REPACKED_STATES, str(path), tokens], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    error = float(run.stdout.split()[-1])
+    assert error < 0.02, f"repacked states differ by {100 * error:.1f}% from the stored layout's"
+
+
 DECODE_PAST_256_KEYS = """
 import json, sys
 from ikdflash import Engine
