@@ -56,6 +56,21 @@ constexpr double k_scale_weight = 0.1;
 constexpr double k_shape_weight = 0.05;
 constexpr double k_outlier = 3.0;
 constexpr int k_calibration_rounds = 3;
+// A row count no pass has measured for this many passes is stale: its cost is still the
+// calibration's (or an old one), and a k it makes look dear is never chosen, so never measured
+// again (the always-right pair once sat at k = 3 for 496 steps on a 5-row cost calibrated too
+// high). The controller then verifies one more draft for two steps (the second reuses the graph
+// and counts), and that measurement moves the stale estimate this far.
+constexpr long k_stale_passes = 256;
+constexpr double k_stale_weight = 0.5;
+// A step verifying k < n_limit drafts has the draft propose one token more every this many steps,
+// so position k + 1 stays measured. Every step did: on the built-in pair a 2-token draft step costs
+// ~0.35 ms more than a 1-token one, 4% of a step at k = 1, which kept the controller at k = 0 where
+// a fixed n_max 1 ran faster than the target alone. While position k + 1 has fewer observations
+// than this (its weight after decay), every step proposes it, so an always-right draft still
+// climbs to n_max within a few steps.
+constexpr int k_lookahead_interval = 4;
+constexpr double k_lookahead_seen = 4.0;
 
 double clamped(double value, double estimate) {
     return std::clamp(value, estimate / k_outlier, estimate * k_outlier);
@@ -75,6 +90,12 @@ struct dflash_costs {
     double switch_ms = 0.0;        // what a pass of another shape than the one before costs more
     bool frozen = false;           // set by IKDFLASH_COSTS: observations are ignored
     int last_rows = 0;             // rows of the pass observed before
+    long n_passes = 0;             // passes observed
+    std::vector<long> measured_at; // [r]: n_passes when a pass of r rows last counted
+
+    bool stale(int rows) const {
+        return !frozen && n_passes > 0 && rows >= 1 && rows <= max_rows && n_passes - measured_at[rows] > k_stale_passes;
+    }
 
     double pass_ms(int rows) const { return scale_ms * shape[std::clamp(rows, 1, max_rows)]; }
 
@@ -109,6 +130,7 @@ struct dflash_costs {
     void observe_pass(int rows, double ms) {
         const bool same_shape = rows == last_rows;
         last_rows = rows;
+        ++n_passes;
         if (frozen || rows < 1 || rows > max_rows || !(ms > 0.0)) {
             return;
         }
@@ -124,10 +146,12 @@ struct dflash_costs {
             return;
         }
         ms = clamped(ms, pass_ms(rows));
+        const double weight = stale(rows) ? k_stale_weight : k_shape_weight;
         scale_ms += k_scale_weight * (ms / shape[rows] - scale_ms);
         if (rows > 1) {
-            shape[rows] += k_shape_weight * (ms / scale_ms - shape[rows]);
+            shape[rows] += weight * (ms / scale_ms - shape[rows]);
         }
+        measured_at[rows] = n_passes;
     }
 
     void observe_draft(int n, double ms) {
@@ -186,8 +210,8 @@ struct dflash_costs {
 };
 
 // One sequence's controller. Every proposal stays pending until the target has committed a token
-// at each of its positions or one differs. A step verifying k drafts proposes k + 1, so the
-// position after k stays measured (against the target's own token, or a later one) and the
+// at each of its positions or one differs. Every fourth step verifying k drafts proposes k + 1, so
+// the position after k stays measured (against the target's own token, or a later one) and the
 // controller sees when a longer block would pay; a probe proposes one token, which is what
 // decides whether drafting at all pays.
 struct dflash_adapt {
@@ -202,6 +226,8 @@ struct dflash_adapt {
     std::deque<proposal> pending;
     int probe_interval = 1;
     int since_probe = 0;                   // plain steps since the last probe
+    int explore_left = 0;                  // steps still to verify one draft more (a stale pass cost)
+    int since_lookahead = 0;               // verifying steps since the last that proposed one token more
     dflash_adapt_stats stats{};
 
     int longest_interval() const {
@@ -217,7 +243,23 @@ struct dflash_adapt {
         return (hits[j - 1] + prior[j - 1] * k_prior_p) / (seen[j - 1] + prior[j - 1]);
     }
 
-    static int drafted_for(int k, int n_limit) { return std::min(k + 1, n_limit); }
+    // What a step verifying k drafts pays for its draft step, on average over the steps that
+    // propose one token more (in steady state: the first steps at a k, which propose it every
+    // time, are a transient the estimate ignores, or a k never tried would look dearer).
+    double draft_cost_at(int k, int n_limit) const {
+        if (k >= n_limit) {
+            return costs->draft_cost(k);
+        }
+        return ((k_lookahead_interval - 1) * costs->draft_cost(k) + costs->draft_cost(k + 1)) / k_lookahead_interval;
+    }
+
+    int drafted_for(int k, int n_limit) {
+        if (k < n_limit && (seen[k] < k_lookahead_seen || ++since_lookahead >= k_lookahead_interval)) {
+            since_lookahead = 0;
+            return k + 1;
+        }
+        return k;
+    }
 
     // The k in 0..n_limit with the most expected tokens per millisecond.
     int best_k(int n_limit) const {
@@ -230,7 +272,7 @@ struct dflash_adapt {
         for (int k = 1; k <= n_limit; ++k) {
             kept_through *= acceptance(k);
             expected += kept_through;
-            const double step_ms = costs->draft_cost(drafted_for(k, n_limit)) + costs->next_pass_ms(k + 1);
+            const double step_ms = draft_cost_at(k, n_limit) + costs->next_pass_ms(k + 1);
             const double rate = expected / step_ms;
             if (rate > best_rate) {
                 best = k;
@@ -248,7 +290,14 @@ struct dflash_adapt {
         if (costs == nullptr) {
             return {n_limit, n_limit};
         }
-        const int k = best_k(n_limit);
+        int k = best_k(n_limit);
+        if (explore_left > 0) {
+            --explore_left;
+            k = std::min(k + 1, n_limit);
+        } else if (k > 0 && k < n_limit && costs->stale(k + 2)) {
+            explore_left = 1;  // this step and the next, whose pass reuses the graph and counts
+            k += 1;
+        }
         if (k > 0) {
             return {drafted_for(k, n_limit), k};
         }
@@ -303,6 +352,7 @@ struct dflash_adapt {
         // longest interval probes more a request).
         probe_interval = 1;
         since_probe = 0;
+        explore_left = 0;
         pending.clear();
         stats = {};
     }
@@ -317,6 +367,7 @@ dflash_costs * dflash_costs_init(int max_rows) {
         c->max_rows = max_rows;
         c->shape.assign(max_rows + 1, 1.0);
         c->draft_ms.assign(max_rows + 1, 0.0);
+        c->measured_at.assign(max_rows + 1, 0);
         return c;
     }, (dflash_costs *) nullptr);
 }

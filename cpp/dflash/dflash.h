@@ -164,7 +164,7 @@ LLAMA_API void dflash_seq_restore_state(const dflash_seq * seq);
 // is a plain one-token decode with no draft step. Before each step the controller picks the k
 // with the most expected tokens per millisecond, from running estimates of p_j and of the costs.
 //
-// A step verifying k drafts has the draft propose k + 1 tokens (at most n_limit), and each
+// Every fourth step verifying k drafts has the draft propose k + 1 tokens (at most n_limit), and each
 // proposed token is compared with the token the target commits at its position, in that step or a
 // later one: position k + 1 stays measured, so the controller sees when a longer block would pay.
 // The draft's cost is measured per tokens proposed (its head runs on that many rows). At k = 0 an
@@ -174,6 +174,8 @@ LLAMA_API void dflash_seq_restore_state(const dflash_seq * seq);
 // step. A k whose pass has another row count than the last pass also pays for rebuilding the
 // target's graph (measured), a quarter of it per step, so k does not flip at every step where
 // drafting pays about what it costs.
+// A pass cost no pass has measured for 256 passes (a k the controller stopped choosing, perhaps on
+// a cost calibrated too high) is measured again: one draft more is verified for two steps.
 //
 // Usage, per step of a sequence (the draft's cross-context is fed by every target pass anyway):
 //   plan = dflash_adapt_plan_step(adapt, n_limit);      // n_limit: what block, budget, context allow
