@@ -164,9 +164,10 @@ LLAMA_API void dflash_seq_restore_state(const dflash_seq * seq);
 // is a plain one-token decode with no draft step. Before each step the controller picks the k
 // with the most expected tokens per millisecond, from running estimates of p_j and of the costs.
 //
-// Every fourth step verifying k drafts has the draft propose k + 1 tokens (at most n_limit), and each
-// proposed token is compared with the token the target commits at its position, in that step or a
-// later one: position k + 1 stays measured, so the controller sees when a longer block would pay.
+// A step verifying k drafts has the draft propose k + 1 tokens (at most n_limit) every fourth step,
+// and every step until position k + 1 has 4 observations; each proposed token is compared with the
+// token the target commits at its position, in that step or a later one: position k + 1 stays
+// measured, so the controller sees when a longer block would pay.
 // The draft's cost is measured per tokens proposed (its head runs on that many rows). At k = 0 an
 // occasional probe (a draft step of one token, compared, not verified; its interval doubles with
 // each miss, up to where probes cost 1% of plain decoding, and halves with each hit) notices when
