@@ -22,6 +22,21 @@ def test_time_passes_times_every_row_count_and_leaves_the_context_empty(model):
     assert model.generate_greedy([1, 2, 3], 4) == before
 
 
+def test_time_pass_ops_splits_each_pass_by_weight_and_operation_then_lets_go(model):
+    """Every layer's products with one weight land under its name, the head under "output" (or
+    the tied "token_embd"); the callback is removed afterwards, and the output is unchanged."""
+    before = model.generate_greedy([1, 2, 3], 4)
+    split = _core.time_pass_ops(model, [1, 4], 16, 2)
+    assert [len(passes) for passes in split] == [2, 2]
+    names = set(split[0][0])
+    assert {"mul_mat attn_q", "mul_mat ffn_down", "FLASH_ATTN_EXT"} <= names, names
+    assert names & {"mul_mat output", "mul_mat token_embd"}, names
+    assert not any(name.startswith("mul_mat blk.") for name in names)
+    assert all(ms >= 0 for passes in split for one in passes for ms in one.values())
+    assert model.generate_greedy([1, 2, 3], 4) == before
+    assert [len(t) for t in _core.time_passes(model, [1], 16, 1)] == [1]  # undivided again
+
+
 @pytest.mark.parametrize("rows, n_context, repeats, message", [
     ([17], 0, 1, r"row counts must be in 1..16 \(the model's n_batch\), got 17"),
     ([0], 0, 1, "got 0"),

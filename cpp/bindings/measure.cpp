@@ -1,13 +1,20 @@
 // Measurements for benchmarks/pass_cost.py: target passes by row count at a given context
-// length, requantized copies of a model, and the machine's memory-read bandwidth, the floor that
-// a one-row pass over weights that do not fit in cache stands beside.
+// length, split by operation on request, requantized copies of a model, and the machine's
+// memory-read bandwidth, the floor that a one-row pass over weights that do not fit in cache
+// stands beside.
 
 #include "model.h"
 
 #include "dflash-impl.h"
 
+#include <random>  // before llama-context.h, whose sampling header needs it
+
+#include "llama-context.h"  // the context's eval callback
+
 #include <map>
+#include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace ikdflash {
@@ -16,12 +23,69 @@ namespace {
 
 using dflash_impl::now_ms;
 
+// Milliseconds per operation of the passes computed while it is installed, through the context's
+// eval callback: asked about every node, the scheduler computes the graph one node at a time, so
+// each node's time is its own plus a thread pool's start (the same at any row count: compare the
+// row counts op by op, not the split's total with an undivided pass). A matrix product is named
+// by its weight ("mul_mat attn_q", "mul_mat output"), other nodes by their operation.
+class OpTimer {
+public:
+    explicit OpTimer(llama_context * ctx) : ctx_(ctx), saved_(ctx->cparams.cb_eval), saved_data_(ctx->cparams.cb_eval_user_data) {
+        ctx_->cparams.cb_eval = &OpTimer::on_node;
+        ctx_->cparams.cb_eval_user_data = this;
+        ggml_backend_sched_set_eval_callback(ctx_->sched, &OpTimer::on_node, this);
+    }
+    ~OpTimer() {
+        ctx_->cparams.cb_eval = saved_;
+        ctx_->cparams.cb_eval_user_data = saved_data_;
+        ggml_backend_sched_set_eval_callback(ctx_->sched, saved_, saved_data_);
+    }
+    OpTimer(const OpTimer &) = delete;
+    OpTimer & operator=(const OpTimer &) = delete;
+
+    std::map<std::string, double> take() { return std::exchange(ms_, {}); }
+
+private:
+    static std::string category(const ggml_tensor * t) {
+        if ((t->op == GGML_OP_MUL_MAT || t->op == GGML_OP_MUL_MAT_ID) && t->src[0] != nullptr) {
+            std::string weight = t->src[0]->name;
+            if (weight.rfind("blk.", 0) == 0) {
+                weight.erase(0, weight.find('.', 4) + 1);  // "blk.12.attn_q.weight" -> "attn_q.weight"
+            }
+            if (const size_t dot = weight.rfind(".weight"); dot != std::string::npos) {
+                weight.erase(dot);
+            }
+            return "mul_mat " + weight;
+        }
+        return ggml_op_desc(t);
+    }
+
+    static bool on_node(ggml_tensor * t, bool ask, void * user_data) {
+        auto * self = (OpTimer *) user_data;
+        if (ask) {
+            self->started_ = now_ms();
+            return true;  // every node: computed alone, then reported
+        }
+        self->ms_[category(t)] += now_ms() - self->started_;
+        return true;
+    }
+
+    llama_context * ctx_;
+    ggml_backend_sched_eval_callback saved_;
+    void * saved_data_;
+    double started_ = 0.0;
+    std::map<std::string, double> ms_;
+};
+
 // For each row count in n_rows, the times of `repeats` passes of that many rows at positions
 // n_context.. (every row's logits kept, as in a verification pass), each from the same n_context
 // cached tokens (the rows are dropped after each pass). The counts take turns within each round,
 // so a slow moment of a shared machine spreads over all of them.
+// With op_ms, each pass is also split by operation (OpTimer): op_ms[k] gets one map per pass of
+// n_rows[k] rows.
 std::vector<std::vector<double>> time_passes(Model & model, const std::vector<int> & n_rows, int n_context,
-                                             int repeats) {
+                                             int repeats,
+                                             std::vector<std::vector<std::map<std::string, double>>> * op_ms = nullptr) {
     llama_context * ctx = model.raw_context();
     const int n_batch = (int) llama_n_batch(ctx);
     int most = 0;
@@ -57,12 +121,20 @@ std::vector<std::vector<double>> time_passes(Model & model, const std::vector<in
                 failure = "the context's prefill failed";
             }
         }
+        std::unique_ptr<OpTimer> timer;
+        if (op_ms != nullptr) {
+            op_ms->assign(n_rows.size(), {});
+            timer = std::make_unique<OpTimer>(ctx);  // after the prefill: only the timed passes
+        }
         for (int r = 0; r < repeats && failure.empty(); ++r) {
             for (size_t k = 0; k < n_rows.size() && failure.empty(); ++k) {
                 const double t0 = now_ms();
                 const int rc = decode(n_context, n_rows[k], true);
                 llama_synchronize(ctx);
                 times[k].push_back(now_ms() - t0);
+                if (timer) {
+                    (*op_ms)[k].push_back(timer->take());
+                }
                 llama_kv_cache_seq_rm(ctx, 0, n_context, -1);
                 if (rc != 0) {
                     failure = "a pass of " + std::to_string(n_rows[k]) + " rows failed with code " + std::to_string(rc);
@@ -77,6 +149,14 @@ std::vector<std::vector<double>> time_passes(Model & model, const std::vector<in
         throw std::runtime_error(model.path() + ": " + error);
     }
     return times;
+}
+
+// For each row count, one map per pass: milliseconds by operation (see OpTimer).
+std::vector<std::vector<std::map<std::string, double>>> time_pass_ops(Model & model, const std::vector<int> & n_rows,
+                                                                       int n_context, int repeats) {
+    std::vector<std::vector<std::map<std::string, double>>> op_ms;
+    time_passes(model, n_rows, n_context, repeats, &op_ms);
+    return op_ms;
 }
 
 // GB/s of n_threads threads each summing its share of a buffer of `mib` MiB (touched first, so the
@@ -155,9 +235,14 @@ void quantize(const std::string & src, const std::string & dst, const std::strin
 }  // namespace
 
 void bind_measure(py::module_ & m) {
-    m.def("time_passes", &time_passes, py::arg("model"), py::arg("n_rows"), py::arg("n_context"),
-          py::arg("repeats"),
+    m.def("time_passes", [](Model & model, const std::vector<int> & n_rows, int n_context, int repeats) {
+              return time_passes(model, n_rows, n_context, repeats);
+          }, py::arg("model"), py::arg("n_rows"), py::arg("n_context"), py::arg("repeats"),
           "For each row count, milliseconds of `repeats` target passes of that many rows after n_context cached tokens.");
+    m.def("time_pass_ops", &time_pass_ops, py::arg("model"), py::arg("n_rows"), py::arg("n_context"),
+          py::arg("repeats"),
+          "As time_passes, each pass split by operation (computed a node at a time): per row count, one "
+          "{operation: ms} per pass.");
     m.def("memory_read_bandwidth", &memory_read_bandwidth, py::arg("n_threads"), py::arg("mib") = 1024,
           py::arg("repeats") = 5, "GB/s read by n_threads threads summing a buffer of `mib` MiB (best of repeats).");
     m.def("quantize", &quantize, py::arg("src"), py::arg("dst"), py::arg("type"), py::arg("n_threads") = 0,
