@@ -32,15 +32,21 @@ constexpr double k_prior_weight = 1.0;
 constexpr double k_prior_floor = 0.01;
 // A new request starts from its sequence's last estimates at this weight.
 constexpr double k_carry_over = 0.5;
-// At k = 0 a probe (a draft step whose tokens are only compared, not verified) runs every
-// `interval` plain steps. Each draft token 1 that misses doubles the interval; each that is kept
-// halves it and is checked by a probe at the next plain step. A draft kept a quarter of the time
-// drifts to the longest interval (a hit costs a third of a probe more on average); one that turns
-// right is probed at every step from its first hit on, and its estimate climbs to where drafting
-// pays within a dozen steps. The longest interval keeps probes under
-// this share of plain decoding's time (a probe drafts one token, and projects the context rows
-// that arrived since the last draft step: ~3 ms on SmolLM2's pair, where a plain step is ~6.5 ms,
-// so 46 steps). At 2% the built-in pair ran at 0.93-0.95x the target alone, 2.5% of it in probes.
+// At k = 0 a probe (a draft step whose tokens are only compared, not verified) asks whether the
+// draft has turned right (prose turning into a quoted passage, a listing after a chat answer).
+// The evidence for that is a CUSUM of the log-likelihood ratio of each probe's draft token 1
+// under "kept this often" against the current estimate: a hit adds log(k_turned_right_p / p), a
+// miss takes off log((1 - p) / (1 - k_turned_right_p)), and it never goes below 0. Probes run
+// every longest / e^evidence plain steps. A hit the estimate already expects is no news: the
+// built-in pair's chat draft keeps token 1 ~42% of the time, just short of paying, and halving
+// the interval at each hit kept it probing at 6% of the plain steps (0.93x the target alone);
+// here it sits at the longest interval like a useless draft, while a run of hits from a draft
+// that was never right shrinks the interval to 1 within two probes.
+constexpr double k_turned_right_p = 0.9;
+constexpr double k_expected_p_cap = 0.5;  // above this a hit is hardly evidence; the cap keeps it some
+// The longest interval keeps probes under this share of plain decoding's time (a probe drafts one
+// token, and projects the context rows that arrived since the last draft step: ~3 ms on SmolLM2's
+// pair, where a plain step is ~6.5 ms, so 46 steps).
 constexpr double k_probe_budget = 0.01;
 constexpr int k_max_probe_interval = 256;
 // A pass of another row count than the pass before rebuilds the target's graph (patch 0034 reuses
@@ -224,7 +230,7 @@ struct dflash_adapt {
         size_t next = 0;                   // the index compared with the next committed token
     };
     std::deque<proposal> pending;
-    int probe_interval = 1;
+    double turned_right = std::log((double) k_max_probe_interval);  // the probes' evidence that the draft turned right (CUSUM)
     int since_probe = 0;                   // plain steps since the last probe
     int explore_left = 0;                  // steps still to verify one draft more (a stale pass cost)
     int since_lookahead = 0;               // verifying steps since the last that proposed one token more
@@ -237,6 +243,10 @@ struct dflash_adapt {
         }
         const double steps = std::ceil(probe_ms / (k_probe_budget * costs->pass_ms(1)));
         return (int) std::clamp(steps, 1.0, (double) k_max_probe_interval);
+    }
+
+    int probe_interval() const {
+        return std::max(1, (int) (longest_interval() * std::exp(-turned_right)));
     }
 
     double acceptance(int j) const {  // P(token j kept | tokens before it kept), j = 1..n_max
@@ -301,7 +311,7 @@ struct dflash_adapt {
         if (k > 0) {
             return {drafted_for(k, n_limit), k};
         }
-        if (++since_probe < probe_interval) {
+        if (++since_probe < probe_interval()) {
             return {0, 0};
         }
         since_probe = 0;
@@ -310,15 +320,14 @@ struct dflash_adapt {
     }
 
     void observe(int j, bool kept) {
+        if (j == 1) {
+            const double p = std::min(acceptance(1), k_expected_p_cap);
+            turned_right += kept ? std::log(k_turned_right_p / p) : std::log((1.0 - k_turned_right_p) / (1.0 - p));
+            turned_right = std::max(0.0, turned_right);
+        }
         hits[j - 1] = k_decay * hits[j - 1] + (kept ? 1.0 : 0.0);
         seen[j - 1] = k_decay * seen[j - 1] + 1.0;
         prior[j - 1] = std::max(k_prior_floor, k_decay * prior[j - 1]);
-        if (j == 1) {
-            probe_interval = kept ? std::max(1, probe_interval / 2) : std::min(2 * probe_interval, longest_interval());
-            if (kept) {
-                since_probe = probe_interval;  // confirm at the next plain step: a run of hits is news
-            }
-        }
     }
 
     void proposed(const llama_token * tokens, int n) {
@@ -348,9 +357,9 @@ struct dflash_adapt {
             prior[j] = std::max(k_prior_floor, k_carry_over * prior[j]);
         }
         // A new request may be one the draft gets right (a listing after a chat answer): probe at
-        // its first plain step, and back off from there (a useless draft costs ~log2 of the
-        // longest interval probes more a request).
-        probe_interval = 1;
+        // its first plain step, and back off from there (a useless draft costs 1-2 probes more a
+        // request: one miss takes off ~2 of the log(longest) ~3.2 on the built-in pair).
+        turned_right = costs != nullptr ? std::log((double) longest_interval()) : 0.0;
         since_probe = 0;
         explore_left = 0;
         pending.clear();
