@@ -426,8 +426,10 @@ def test_a_one_token_decode_computes_what_a_verification_row_computes(tiny_model
     for threads in (1, 2):
         with Engine(target, draft, n_ctx=640, n_threads=threads) as engine:
             alone = engine.generate(prompt, max_tokens=12, logprobs=2)
-            # a fixed block length: every step verifies n_max + 1 rows
+            # a fixed block length: every step verifies n_max + 1 rows (5, and 2, which patch 0040
+            # computes with each head's rows on one thread)
             dflash = engine.speculate(prompt, max_tokens=12, logprobs=2, adaptive=False)
-            for name, out in (("alone", alone), ("dflash", dflash)):
+            pairs = engine.speculate(prompt, max_tokens=12, logprobs=2, n_max=1, adaptive=False)
+            for name, out in (("alone", alone), ("dflash", dflash), ("dflash n_max 1", pairs)):
                 runs[(name, threads)] = [(t.token, t.logprob, t.top) for t in out.logprobs]
     assert all(r == runs[("alone", 1)] for r in runs.values()), {k: r[:4] for k, r in runs.items()}
