@@ -230,7 +230,7 @@ struct dflash_adapt {
         size_t next = 0;                   // the index compared with the next committed token
     };
     std::deque<proposal> pending;
-    double turned_right = std::log((double) k_max_probe_interval);  // the probes' evidence that the draft turned right (CUSUM)
+    double turned_right = 0.0;             // the probes' evidence that the draft turned right (CUSUM)
     int since_probe = 0;                   // plain steps since the last probe
     int explore_left = 0;                  // steps still to verify one draft more (a stale pass cost)
     int since_lookahead = 0;               // verifying steps since the last that proposed one token more
@@ -244,6 +244,9 @@ struct dflash_adapt {
         const double steps = std::ceil(probe_ms / (k_probe_budget * costs->pass_ms(1)));
         return (int) std::clamp(steps, 1.0, (double) k_max_probe_interval);
     }
+
+    // A fresh sequence or request: its first plain step probes (fixed mode never probes).
+    double fresh_evidence() const { return costs != nullptr ? std::log((double) longest_interval()) : 0.0; }
 
     int probe_interval() const {
         return std::max(1, (int) (longest_interval() * std::exp(-turned_right)));
@@ -359,7 +362,7 @@ struct dflash_adapt {
         // A new request may be one the draft gets right (a listing after a chat answer): probe at
         // its first plain step, and back off from there (a useless draft costs 1-2 probes more a
         // request: one miss takes off ~2 of the log(longest) ~3.2 on the built-in pair).
-        turned_right = costs != nullptr ? std::log((double) longest_interval()) : 0.0;
+        turned_right = fresh_evidence();
         since_probe = 0;
         explore_left = 0;
         pending.clear();
@@ -463,6 +466,7 @@ dflash_adapt * dflash_adapt_init(const dflash_costs * costs, int n_max) {
         a->hits.assign(n_max, 0.0);
         a->seen.assign(n_max, 0.0);
         a->prior.assign(n_max, k_prior_weight);
+        a->turned_right = a->fresh_evidence();
         return a;
     }, (dflash_adapt *) nullptr);
 }
