@@ -349,12 +349,10 @@ def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], fold
     return open_dataset(folder)
 
 
-def _build_command(args: argparse.Namespace) -> Dataset:
-    from ikdflash.hub import resolve
+def _build_command(args: argparse.Namespace, target: str) -> Dataset:
     from ikdflash.model import Model
     from ikdflash.train.corpus import training_conversations
 
-    target = str(resolve(args.target, role="target"))
     with Model(target, n_ctx=64) as model:
         n_layer = model.n_layer
     layer_ids = args.target_layers or default_layer_ids(n_layer)
@@ -381,7 +379,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     make.add_argument("--threads", type=int)
     make.add_argument("folder", type=Path)
     again = sub.add_parser("refresh", help="a folder's sequences through this fork's target again, into a new folder")
-    again.add_argument("--target", required=True, help="the target GGUF (the one the data was made with)")
+    again.add_argument("--target", required=True,
+                       help="the target GGUF (the one the data was made with): a path, a hub reference or a packaged model")
     again.add_argument("--threads", type=int)
     again.add_argument("source", type=Path, help="a data folder, or a tokens file")
     again.add_argument("folder", type=Path)
@@ -389,15 +388,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     keep.add_argument("folder", type=Path)
     keep.add_argument("path", type=Path)
     args = parser.parse_args(argv)
+    from ikdflash.hub import resolve
+
     try:
         if args.command == "tokens":
             print(save_tokens(args.folder, args.path))
             return 0
+        target = str(resolve(args.target, role="target"))
         if args.command == "build":
-            dataset = _build_command(args)
+            dataset = _build_command(args, target)
         else:
-            dataset = refresh(args.target, args.source, args.folder, n_threads=args.threads)
-    except (DataError, ValueError, FileNotFoundError) as e:
+            dataset = refresh(target, args.source, args.folder, n_threads=args.threads)
+    except (DataError, ValueError, FileNotFoundError) as e:  # a HubError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{dataset.folder}: {dataset.n_rows} rows in {dataset.meta['n_sequences']} sequences "
