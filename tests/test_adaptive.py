@@ -222,6 +222,22 @@ def test_the_draft_cost_of_the_tokens_proposed_decides():
     assert set(run_steps(steep, 40, lambda step: True)[10:]) == {2}
 
 
+def test_a_draft_step_after_plain_passes_prices_probes_not_drafting():
+    """A draft step first projects the context rows the target added since the one before: after
+    plain passes (a probe, or the first drafting step after them) that is much of its time. Such
+    steps leave the price of drafting alone; steps in a run of drafting steps set it."""
+    ctl = BlockController(4, CPU_PASSES, CPU_DRAFT)
+    for _ in range(50):  # a probe every 10 plain passes, each 3 times a drafting step's time
+        for _ in range(10):
+            ctl.observe_pass(1, 1.0)
+        ctl.observe_draft(1, 3 * CPU_DRAFT)
+    assert ctl.draft_ms(1) == pytest.approx(CPU_DRAFT)
+    for _ in range(50):  # k = 1: a draft step, then its 2-row pass
+        ctl.observe_draft(1, 2 * CPU_DRAFT)
+        ctl.observe_pass(2, CPU_PASSES[1])
+    assert ctl.draft_ms(1) == pytest.approx(2 * CPU_DRAFT, rel=0.02)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"n_max": -1, "pass_ms": [1.0], "draft_ms": 1.0}, "n_max must be in 0..63"),
     ({"n_max": 2, "pass_ms": [1.0, 1.0], "draft_ms": 1.0}, "1..3 rows"),

@@ -332,6 +332,11 @@ public:
     // before rebuilt the target's graph).
     void observe_pass(int n_rows, double ms) { dflash_costs_observe_pass(costs_.get(), n_rows, ms); }
 
+    // A draft step's time, as the engine reports each one, and what the controller now prices a
+    // step proposing n_tokens at.
+    void observe_draft(int n_tokens, double ms) { dflash_costs_observe_draft(costs_.get(), n_tokens, ms); }
+    double draft_ms(int n_tokens) const { return dflash_costs_draft_ms(costs_.get(), n_tokens); }
+
     std::vector<float> acceptance() const {
         std::vector<float> p(n_max_);
         for (int j = 1; j <= n_max_; ++j) {
@@ -598,6 +603,8 @@ void bind_dflash(py::module_ & m) {
         .def("committed", &BlockController::committed, py::arg("n_verified"), py::arg("tokens"))
         .def("reset", &BlockController::reset)
         .def("observe_pass", &BlockController::observe_pass, py::arg("n_rows"), py::arg("ms"))
+        .def("observe_draft", &BlockController::observe_draft, py::arg("n_tokens"), py::arg("ms"))
+        .def("draft_ms", &BlockController::draft_ms, py::arg("n_tokens"))
         .def("acceptance", &BlockController::acceptance)
         .def("stats", &BlockController::stats);
     py::class_<Engine>(m, "Engine")

@@ -92,7 +92,10 @@ struct dflash_costs {
     int max_rows = 0;
     std::vector<double> shape;     // [r], r = 1..max_rows; [0] unused
     double scale_ms = 0.0;         // t_pass(1); 0 until measured
-    std::vector<double> draft_ms;  // [n]: a draft step proposing n tokens; 0 until measured
+    std::vector<double> draft_ms;  // [n]: a draft step proposing n tokens in a run of them; 0 until measured
+    double catch_up_ms = 0.0;      // a draft step after plain passes (a probe); 0 until measured
+    int passes_since_draft = 0;    // target passes observed since the last draft step
+    int rows_since_draft = 0;      // and their rows
     double switch_ms = 0.0;        // what a pass of another shape than the one before costs more
     bool frozen = false;           // set by IKDFLASH_COSTS: observations are ignored
     int last_rows = 0;             // rows of the pass observed before
@@ -135,6 +138,8 @@ struct dflash_costs {
     // it seldom chosen. What such a pass costs more goes to switch_ms instead.
     void observe_pass(int rows, double ms) {
         const bool same_shape = rows == last_rows;
+        passes_since_draft += 1;
+        rows_since_draft += std::max(rows, 0);
         last_rows = rows;
         ++n_passes;
         if (frozen || rows < 1 || rows > max_rows || !(ms > 0.0)) {
@@ -160,11 +165,19 @@ struct dflash_costs {
         measured_at[rows] = n_passes;
     }
 
+    // A draft step first projects the context rows the target added since the one before. After
+    // plain passes (a probe, the first drafting step after k = 0 or after a prompt) that is much of
+    // its time, and not what a step in a run of drafting steps costs (the built-in pair: ~3.0 ms
+    // for a probe ~30 plain steps after the last, ~1.8 ms for a one-token step at k = 1): such a
+    // step's cost goes to catch_up_ms, which prices probes, and not to draft_ms, which prices k.
     void observe_draft(int n, double ms) {
+        const bool catching_up = passes_since_draft > 1 || rows_since_draft > max_rows;
+        passes_since_draft = 0;
+        rows_since_draft = 0;
         if (frozen || n < 1 || n >= (int) draft_ms.size() || !(ms > 0.0)) {
             return;
         }
-        double & est = draft_ms[n];
+        double & est = catching_up ? catch_up_ms : draft_ms[n];
         est = est <= 0.0 ? ms : est + k_scale_weight * (clamped(ms, est) - est);
     }
 
@@ -237,7 +250,7 @@ struct dflash_adapt {
     dflash_adapt_stats stats{};
 
     int longest_interval() const {
-        const double probe_ms = costs->draft_cost(1);
+        const double probe_ms = costs->catch_up_ms > 0.0 ? costs->catch_up_ms : costs->draft_cost(1);
         if (probe_ms <= 0.0 || costs->scale_ms <= 0.0) {
             return k_max_probe_interval;
         }

@@ -169,10 +169,10 @@ LLAMA_API void dflash_seq_restore_state(const dflash_seq * seq);
 // token the target commits at its position, in that step or a later one: position k + 1 stays
 // measured, so the controller sees when a longer block would pay.
 // The draft's cost is measured per tokens proposed (its head runs on that many rows). At k = 0 an
-// occasional probe (a draft step of one token, compared, not verified; its interval doubles with
-// each miss, up to where probes cost 1% of plain decoding, and halves with each hit) notices when
-// the draft becomes right again; a new request (dflash_adapt_reset) is probed at its first plain
-// step. A k whose pass has another row count than the last pass also pays for rebuilding the
+// occasional probe (a draft step of one token, compared, not verified) notices when the draft
+// becomes right again: probes run where they cost 1% of plain decoding, and more often as hits
+// beyond what the estimate expects add up to evidence that it turned right (a CUSUM); a new
+// request (dflash_adapt_reset) is probed at its first plain step. A k whose pass has another row count than the last pass also pays for rebuilding the
 // target's graph (measured), a quarter of it per step, so k does not flip at every step where
 // drafting pays about what it costs.
 // A pass cost no pass has measured for 256 passes (a k the controller stopped choosing, perhaps on
@@ -203,6 +203,9 @@ LLAMA_API int    dflash_costs_set_passes(dflash_costs * costs, const double * pa
 // folded into the estimates. A pass counts only after one of as many rows (the steady cost of a
 // k: the target reuses its graph for a pass of the same shape), one after another shape for what
 // rebuilding the graph costs more; every pass must be reported, a larger one than max_rows too.
+// A draft step after more than one pass (a probe, the first drafting step after plain ones or a
+// prompt) first projects the context rows they added: it counts for the probes' cost, not as the
+// cost of a drafting step of n_tokens.
 LLAMA_API void   dflash_costs_observe_pass(dflash_costs * costs, int n_rows, double ms);
 LLAMA_API void   dflash_costs_observe_draft(dflash_costs * costs, int n_tokens, double ms);
 LLAMA_API double dflash_costs_pass_ms(const dflash_costs * costs, int n_rows);     // 0 while unknown
