@@ -4,6 +4,7 @@ every fixed n_max and the target alone, without the machine's noise.
     python benchmarks/controller_replay.py [--tokens 128] [--workloads built-in mixed useless]
         [--pass-ms 9.9 12.5 15.4 18.0 20.3] [--draft-ms 1.8 1.9 2.1 2.5] [--json out.json]
         [--recordings recordings.json]   # recorded once (~3 min), replayed in seconds after
+        [--draft D.gguf]                 # another draft for the built-in target
 
 adaptive.py measures each mode on this machine, where rounds differ by +-5%: too noisy to rank
 modes a few percent apart, or to tell one controller rule from another. Here each request of
@@ -139,8 +140,9 @@ def run_workload(recordings: list[Recording], costs: Costs) -> dict:
             "adaptive_to_best_fixed": ratio["adaptive"] / max(v for m, v in ratio.items() if m != "adaptive")}
 
 
-def record_workloads(names: list[str], tokens: int) -> dict[str, list[Recording]]:
-    target, draft = resolve_pair(DEFAULT_PAIR)
+def record_workloads(names: list[str], tokens: int, draft: Path | None) -> dict[str, list[Recording]]:
+    target, shipped = resolve_pair(DEFAULT_PAIR)
+    draft = draft or shipped
     with Engine(target, n_ctx=256, n_threads=1) as engine:  # the chat template, for the prompts
         questions = {"useless": QUESTIONS, "built-in": QUESTIONS,
                      "mixed": [QUESTIONS[0], LISTINGS[0], QUESTIONS[3], LISTINGS[1]]}
@@ -163,6 +165,7 @@ def main() -> None:
     parser.add_argument("--draft-ms", type=float, nargs=N_MAX, default=[1.8, 1.9, 2.1, 2.5])
     parser.add_argument("--switch-ms", type=float, default=0.8)
     parser.add_argument("--catch-up-ms", type=float, default=0.043)
+    parser.add_argument("--draft", type=Path, help="another draft for the built-in target (default: the shipped one)")
     parser.add_argument("--recordings", type=Path, help="a file of recordings: read if it exists, else written")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -171,7 +174,7 @@ def main() -> None:
         saved = json.loads(args.recordings.read_text())
         recordings = {name: [Recording(**r) for r in saved[name]] for name in args.workloads}
     else:
-        recordings = record_workloads(args.workloads, args.tokens)
+        recordings = record_workloads(args.workloads, args.tokens, args.draft)
         if args.recordings:
             args.recordings.write_text(json.dumps({n: [vars(r) for r in rs] for n, rs in recordings.items()}))
     results = {name: run_workload(recordings[name], costs) for name in args.workloads}
