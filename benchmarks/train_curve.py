@@ -2,6 +2,7 @@
 (made with --snapshot-minutes), converted to GGUF and measured in the fork's own loop.
 
     python benchmarks/train_curve.py runs/smollm2-seed runs/smollm2-all-sliding --prompts 24 --json curve.json
+    python benchmarks/train_curve.py runs/v7/ft --target T.gguf --system "You are a helpful assistant."   # as chat_tau.py
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--system", help="a system message before each prompt (default: the template's own)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    prompts = held_out_prompts(args.target, None, args.prompts)
+    prompts = held_out_prompts(args.target, None, args.prompts, system=args.system)
     rows = []
     print(f"{'run':<28} {'minutes':>8} {'steps':>7} {'tau':>6} {'accept':>7}  per position")
     for run in args.runs:
