@@ -34,13 +34,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-from ikdflash import Engine, _core
+from ikdflash import Engine
 from ikdflash._core import BlockController
 from ikdflash.hub import DEFAULT_PAIR, resolve_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from adaptive import LISTINGS, QUESTIONS, chat_prompts, scrambled_draft
+from draft_confidence import draft_steps
 
 N_MAX = 4
 
@@ -55,28 +55,11 @@ class Recording:
 
 
 def record(target: Path, draft_path: Path, prompts: list[list[int]], tokens: int) -> list[Recording]:
-    model = _core.Model(str(target), n_ctx=1024, n_threads=2)
-    draft = _core.Draft(model, str(draft_path), 2)
-    try:
-        layers = draft.info()["target_layer_ids"]
-        out = []
-        for prompt in prompts:
-            answer = model.generate_greedy(list(prompt), tokens)
-            seq = list(prompt) + answer
-            features, _ = model.layer_features(seq, layers)
-            context = _core.CrossContext(draft, 2048)
-            context.append(features[:len(prompt)], np.arange(len(prompt), dtype=np.int32))
-            proposals = []
-            for s in range(len(prompt), len(seq)):
-                _, best = context.step(seq[s], s)
-                proposals.append(list(best[:N_MAX]))
-                context.append(features[s:s + 1], np.array([s], dtype=np.int32))
-            del context  # the draft closes only once no cross-context uses it
-            out.append(Recording(len(prompt), answer, proposals))
-        return out
-    finally:
-        draft.close()
-        model.close()
+    recordings = [Recording(len(p), [], []) for p in prompts]
+    for i, seq, s, _, best in draft_steps(target, draft_path, prompts, tokens):
+        recordings[i].answer = seq[len(prompts[i]):]
+        recordings[i].proposals.append(list(best[:N_MAX]))
+    return recordings
 
 
 @dataclass

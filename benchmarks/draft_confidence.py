@@ -30,29 +30,40 @@ SYSTEM = PAIR_CHAT_DEFAULTS[DEFAULT_PAIR]["system"]
 EDGES = np.linspace(0.0, 1.0, 11)
 
 
-def confidences(target: Path, draft_path: Path, prompts: list[list[int]], tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per answer position: the draft's confidence in its first token, and whether it was the target's."""
+def draft_steps(target: Path, draft_path: Path, prompts: list[list[int]], tokens: int):
+    """The draft teacher-forced on the target's greedy answer to each prompt, as the engine's draft
+    reads it on the greedy path: for each prompt (its index i) and each answer position s that has
+    a next token, yields (i, seq, s, logits, best): the draft's block starting at seq[s], with the
+    target's layers for the positions before s; best[j] is its guess for seq[s + 1 + j]."""
     model = _core.Model(str(target), n_ctx=1024, n_threads=2)
     draft = _core.Draft(model, str(draft_path), 2)
+    context = None
     try:
         layers = draft.info()["target_layer_ids"]
-        conf, kept = [], []
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             seq = list(prompt) + model.generate_greedy(list(prompt), tokens)
             features, _ = model.layer_features(seq, layers)
             context = _core.CrossContext(draft, 2048)
             context.append(features[:len(prompt)], np.arange(len(prompt), dtype=np.int32))
             for s in range(len(prompt), len(seq) - 1):
                 logits, best = context.step(seq[s], s)
-                row = logits[1] - logits[1].max()
-                conf.append(1.0 / np.exp(row).sum())  # the top token's softmax probability
-                kept.append(best[0] == seq[s + 1])
+                yield i, seq, s, logits, best
                 context.append(features[s:s + 1], np.array([s], dtype=np.int32))
-            del context  # the draft closes only once no cross-context uses it
-        return np.array(conf), np.array(kept, dtype=float)
+            context = None
     finally:
+        context = None  # the draft closes only once no cross-context uses it
         draft.close()
         model.close()
+
+
+def confidences(target: Path, draft_path: Path, prompts: list[list[int]], tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per answer position: the draft's confidence in its first token, and whether it was the target's."""
+    conf, kept = [], []
+    for _, seq, s, logits, best in draft_steps(target, draft_path, prompts, tokens):
+        row = logits[1] - logits[1].max()
+        conf.append(1.0 / np.exp(row).sum())  # the top token's softmax probability
+        kept.append(best[0] == seq[s + 1])
+    return np.array(conf), np.array(kept, dtype=float)
 
 
 def gated_rate(conf: np.ndarray, kept: np.ndarray, threshold: float, draft_cost: float, two_rows: float) -> float:
