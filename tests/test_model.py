@@ -69,6 +69,21 @@ def test_quantized_rows_not_a_multiple_of_128_give_the_same_states_in_any_batch(
     assert error < 0.02, f"states differ by {100 * error:.1f}% between a batch of 48 and batches of 8"
 
 
+def test_q4_1_few_row_products_do_not_depend_on_how_threads_split_the_rows(tiny_model):
+    """Q4_1 products over 1-8 rows take 8 weight rows at a time (patch 0041); a thread whose share
+    of rows is not a multiple of 8 finishes with a partial group (the feed-forward's 256 rows are
+    86/86/84 on 3 threads). Every row's arithmetic is the same in a whole group, a partial one or
+    on another thread count, so the states are identical, bit for bit, on 1 and 3 threads."""
+    path = tiny_model("llama", n_layer=3, n_embd=576, n_head=9, n_head_kv=3, head_dim=64, n_ff=256,
+                      weight_type="Q4_1")
+    states = []
+    for threads in (1, 3):
+        with Model(path, n_ctx=256, n_batch=8, n_threads=threads) as model:
+            tokens = model.tokenize(TEXT * 2, add_special=False)[:40]
+            states.append(model._native.layer_features(tokens, [0, 1])[0])
+    assert np.array_equal(states[0], states[1]), np.abs(states[0] - states[1]).max()
+
+
 REPACKED_STATES = """
 import sys
 import numpy as np
