@@ -88,6 +88,26 @@ def test_a_draft_kept_as_often_as_expected_is_probed_as_seldom_as_a_useless_one(
     assert floor <= probes <= 2 * floor, (probes, floor)  # ~2000 / 70 + the first few
 
 
+def test_a_draft_that_pays_by_a_little_is_not_held_at_zero_by_a_run_of_misses():
+    """Token 1 kept at random half the time on costs where one draft pays from 32% (the built-in
+    pair's case after patch 0041: k = 1 runs at ~1.14x a plain step). A few misses in a row drop
+    the quick estimate under break-even; at k = 0 it then saw only a probe every ~70 steps, and the
+    controller spent 69% of the steps there. Plain steps now return it toward the slow estimate."""
+    import random
+
+    coin = random.Random(11)
+    ctl = BlockController(4, [1.0, 1.14, 1.3, 1.5, 1.7], 0.18)
+    chosen = []
+    for step in range(2000):
+        n_draft, n_verify = ctl.plan(4)
+        proposal = [1 if coin.random() < 0.5 else 2] + [2] * (n_draft - 1) if n_draft else []
+        if n_draft:
+            ctl.proposed(proposal)
+        ctl.committed(n_verify, [1] * (1 + int(n_verify > 0 and proposal[0] == 1)))
+        chosen.append(n_verify)
+    assert chosen.count(1) >= 0.8 * 2000, (chosen.count(0), chosen.count(1))
+
+
 def test_a_middling_draft_verifies_what_pays():
     """Position 1 kept 90% of the time, the later ones never: on the CPU-like costs one draft pays
     (E = 1.9 tokens for 1.79 passes) and more do not."""

@@ -23,6 +23,14 @@ namespace {
 // this factor, so an estimate follows roughly the last 1 / (1 - k_decay) observations: quick
 // enough to follow prose turning into a quoted passage, slow enough to ride out single misses.
 constexpr double k_decay = 0.9;
+// Each position also has a slow estimate (the last ~100 observations), which stays the same while
+// the controller sits at k = 0. Noise in the quick one is what sends it there near break-even (on
+// the built-in pair a draft step pays when token 1 is kept ~31% of the time, and the draft keeps it
+// ~42% on chat), and what it sees then is only a probe every ~46 steps: the dip held it at k = 0
+// for most of a request. At every plain step the quick estimate returns this share of the way to
+// the slow one, so a dip is undone in ~10 steps; a useless draft's slow estimate keeps it at 0.
+constexpr double k_slow_decay = 0.99;
+constexpr double k_plain_return = 0.1;
 // What a position's estimate is before it has been seen: a coin flip, worth one observation, and
 // discounted like one down to a hundredth of one, so a draft that is always right reaches 0.9995
 // (a prior that kept its weight would hold p_j under 0.96, and the product over 4 positions under
@@ -237,6 +245,7 @@ struct dflash_adapt {
     const dflash_costs * costs = nullptr;  // null: fixed block length
     int n_max = 0;
     std::vector<double> hits, seen;        // per draft position j (index j - 1), discounted counts
+    std::vector<double> slow_hits, slow_seen;  // the same at k_slow_decay, kept across requests
     std::vector<double> prior;             // the prior's weight at each position
     struct proposal {
         std::vector<llama_token> tokens;
@@ -327,6 +336,11 @@ struct dflash_adapt {
         if (k > 0) {
             return {drafted_for(k, n_limit), k};
         }
+        for (int j = 0; j < n_max; ++j) {
+            if (slow_seen[j] > 0.0) {
+                hits[j] += k_plain_return * (seen[j] * slow_hits[j] / slow_seen[j] - hits[j]);
+            }
+        }
         if (++since_probe < probe_interval()) {
             return {0, 0};
         }
@@ -341,6 +355,8 @@ struct dflash_adapt {
             turned_right += kept ? std::log(k_turned_right_p / p) : std::log((1.0 - k_turned_right_p) / (1.0 - p));
             turned_right = std::max(0.0, turned_right);
         }
+        slow_hits[j - 1] = k_slow_decay * slow_hits[j - 1] + (kept ? 1.0 : 0.0);
+        slow_seen[j - 1] = k_slow_decay * slow_seen[j - 1] + 1.0;
         hits[j - 1] = k_decay * hits[j - 1] + (kept ? 1.0 : 0.0);
         seen[j - 1] = k_decay * seen[j - 1] + 1.0;
         prior[j - 1] = std::max(k_prior_floor, k_decay * prior[j - 1]);
@@ -478,6 +494,8 @@ dflash_adapt * dflash_adapt_init(const dflash_costs * costs, int n_max) {
         a->n_max = n_max;
         a->hits.assign(n_max, 0.0);
         a->seen.assign(n_max, 0.0);
+        a->slow_hits.assign(n_max, 0.0);
+        a->slow_seen.assign(n_max, 0.0);
         a->prior.assign(n_max, k_prior_weight);
         a->turned_right = a->fresh_evidence();
         return a;

@@ -172,9 +172,12 @@ LLAMA_API void dflash_seq_restore_state(const dflash_seq * seq);
 // occasional probe (a draft step of one token, compared, not verified) notices when the draft
 // becomes right again: probes run where they cost 1% of plain decoding, and more often as hits
 // beyond what the estimate expects add up to evidence that it turned right (a CUSUM); a new
-// request (dflash_adapt_reset) is probed at its first plain step. A k whose pass has another row count than the last pass also pays for rebuilding the
-// target's graph (measured), a quarter of it per step, so k does not flip at every step where
-// drafting pays about what it costs.
+// request (dflash_adapt_reset) is probed at its first plain step. Each plain step also moves the
+// quick estimates a tenth of the way back to slow ones (the last ~100 observations), so a run of
+// misses that sent a draft which pays by a little to k = 0 does not keep it there. A k whose pass
+// has another row count than the last pass also pays for rebuilding the target's graph
+// (measured), a quarter of it per step, so k does not flip at every step where drafting pays
+// about what it costs.
 // A pass cost no pass has measured for 256 passes (a k the controller stopped choosing, perhaps on
 // a cost calibrated too high) is measured again: one draft more is verified for two steps.
 //
