@@ -2,7 +2,7 @@
 every fixed n_max and the target alone, without the machine's noise.
 
     python benchmarks/controller_replay.py [--tokens 128] [--workloads built-in mixed useless]
-        [--pass-ms 9.9 12.5 15.4 18.0 20.3] [--draft-ms 1.8 1.9 2.1 2.5] [--json out.json]
+        [--pass-ms 9.9 11.4 13.5 14.9 17.1] [--draft-ms 1.8 1.9 2.1 2.5] [--json out.json]
         [--recordings recordings.json]   # recorded once (~3 min), replayed in seconds after
         [--draft D.gguf]                 # another draft for the built-in target
 
@@ -21,7 +21,8 @@ through each answer as the engine drives it, and every mode's time is the sum of
 
 The controller sees these times as it sees the engine's (its estimates follow them). Defaults:
 the built-in pair on this project's 2-core machine, 2026-12-02 (the engine's calibration and
-running estimates at ~200 cached tokens). Quoted: tokens per millisecond of each mode as a ratio
+running estimates at ~200 cached tokens; the passes of 2-5 rows since patch 0041, from
+`_core.time_passes` at 200 cached tokens, medians of 3 rounds: 1.15x, 1.36x, 1.50x, 1.73x one row). Quoted: tokens per millisecond of each mode as a ratio
 to the target alone, per workload and per request, and the adaptive mode's steps by k.
 """
 
@@ -144,7 +145,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--workloads", nargs="+", default=["useless", "built-in", "mixed"],
                         choices=["useless", "built-in", "mixed"])
-    parser.add_argument("--pass-ms", type=float, nargs=N_MAX + 1, default=[9.9, 12.5, 15.4, 18.0, 20.3])
+    parser.add_argument("--pass-ms", type=float, nargs=N_MAX + 1, default=[9.9, 11.4, 13.5, 14.9, 17.1])
     parser.add_argument("--draft-ms", type=float, nargs=N_MAX, default=[1.8, 1.9, 2.1, 2.5])
     parser.add_argument("--switch-ms", type=float, default=0.8)
     parser.add_argument("--catch-up-ms", type=float, default=0.043)
