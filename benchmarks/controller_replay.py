@@ -22,8 +22,9 @@ through each answer as the engine drives it, and every mode's time is the sum of
 The controller sees these times as it sees the engine's (its estimates follow them). Defaults:
 the built-in pair on this project's 2-core machine, 2026-12-02 (the engine's calibration and
 running estimates at ~200 cached tokens; the passes of 2-5 rows since patch 0041, from
-`_core.time_passes` at 200 cached tokens, medians of 3 rounds: 1.15x, 1.36x, 1.50x, 1.73x one row). Quoted: tokens per millisecond of each mode as a ratio
-to the target alone, per workload and per request, and the adaptive mode's steps by k.
+`_core.time_passes` at 200 cached tokens, medians of 3 rounds: 1.15x, 1.36x, 1.50x, 1.73x one
+row). Quoted: tokens per millisecond of each mode as a ratio to the target alone, per workload and
+per request, and the adaptive mode's steps by k.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ IKDFLASH_COSTS ("draft_ms:pass_ms_1,pass_ms_2,...") so that they are the same on
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from ikdflash import Engine
 from ikdflash._core import BlockController
@@ -32,6 +34,21 @@ def run_steps(ctl: BlockController, steps: int, draft_is_right, n_limit: int = 4
         while accepted < n_verify and proposal[accepted] == 1:
             accepted += 1
         ctl.committed(n_verify, [1] * (accepted + 1))
+        chosen.append(n_verify)
+    return chosen
+
+
+def run_coin_flips(ctl: BlockController, steps: int, seed: int) -> list[int]:
+    """Drive ctl for `steps` steps where the draft's token 1 is kept at random half the time (a
+    seeded coin) and every later one is missed; returns each step's k."""
+    coin = random.Random(seed)
+    chosen = []
+    for _ in range(steps):
+        n_draft, n_verify = ctl.plan(4)
+        proposal = [1 if coin.random() < 0.5 else 2] + [2] * (n_draft - 1) if n_draft else []
+        if n_draft:
+            ctl.proposed(proposal)
+        ctl.committed(n_verify, [1] * (1 + int(n_verify > 0 and proposal[0] == 1)))
         chosen.append(n_verify)
     return chosen
 
@@ -69,18 +86,8 @@ def test_a_draft_kept_as_often_as_expected_is_probed_as_seldom_as_a_useless_one(
     CPU-like costs (k = 1 needs 0.79): a hit is what the estimate expects, not news that the draft
     turned right, so probes stay near the longest interval (70 steps here). Halving the interval at
     each hit probed 9.5% of the plain steps."""
-    import random
-
-    coin = random.Random(7)
     ctl = BlockController(4, CPU_PASSES, CPU_DRAFT)
-    chosen = []
-    for step in range(2000):
-        n_draft, n_verify = ctl.plan(4)
-        proposal = [1 if coin.random() < 0.5 else 2] + [2] * (n_draft - 1) if n_draft else []
-        if n_draft:
-            ctl.proposed(proposal)
-        ctl.committed(n_verify, [1] * (1 + int(n_verify > 0 and proposal[0] == 1)))
-        chosen.append(n_verify)
+    chosen = run_coin_flips(ctl, 2000, seed=7)
     assert chosen.count(0) >= 0.97 * 2000  # a run of hits may look like a turn for a few steps
     useless = BlockController(4, CPU_PASSES, CPU_DRAFT)
     run_steps(useless, 2000, lambda step: False)
@@ -93,18 +100,8 @@ def test_a_draft_that_pays_by_a_little_is_not_held_at_zero_by_a_run_of_misses():
     pair's case after patch 0041: k = 1 runs at ~1.14x a plain step). A few misses in a row drop
     the quick estimate under break-even; at k = 0 it then saw only a probe every ~70 steps, and the
     controller spent 69% of the steps there. Plain steps now return it toward the slow estimate."""
-    import random
-
-    coin = random.Random(11)
     ctl = BlockController(4, [1.0, 1.14, 1.3, 1.5, 1.7], 0.18)
-    chosen = []
-    for step in range(2000):
-        n_draft, n_verify = ctl.plan(4)
-        proposal = [1 if coin.random() < 0.5 else 2] + [2] * (n_draft - 1) if n_draft else []
-        if n_draft:
-            ctl.proposed(proposal)
-        ctl.committed(n_verify, [1] * (1 + int(n_verify > 0 and proposal[0] == 1)))
-        chosen.append(n_verify)
+    chosen = run_coin_flips(ctl, 2000, seed=11)
     assert chosen.count(1) >= 0.8 * 2000, (chosen.count(0), chosen.count(1))
 
 

@@ -23,10 +23,10 @@ namespace {
 // this factor, so an estimate follows roughly the last 1 / (1 - k_decay) observations: quick
 // enough to follow prose turning into a quoted passage, slow enough to ride out single misses.
 constexpr double k_decay = 0.9;
-// Each position also has a slow estimate (the last ~100 observations), which stays the same while
-// the controller sits at k = 0. Noise in the quick one is what sends it there near break-even (on
-// the built-in pair a draft step pays when token 1 is kept ~31% of the time, and the draft keeps it
-// ~42% on chat), and what it sees then is only a probe every ~46 steps: the dip held it at k = 0
+// Each position also has a slow estimate (the last ~100 observations), which at k = 0 moves only
+// with probes. Noise in the quick one is what sends the controller there near break-even (on the
+// built-in pair a draft step pays when token 1 is kept ~31% of the time, and the draft keeps it
+// ~40% on chat), and what it sees then is only a probe every ~46 steps: the dip held it at k = 0
 // for most of a request. At every plain step the quick estimate returns this share of the way to
 // the slow one, so a dip is undone in ~10 steps; a useless draft's slow estimate keeps it at 0.
 constexpr double k_slow_decay = 0.99;
