@@ -15,9 +15,11 @@ For each workload: tokens/s of the target alone, of fixed n_max 1, 2, 3, 4, and 
 block length with n_max 4 (which may choose any k in 0..4 each step), each over a whole round of
 the workload's requests and as a ratio to the target alone in the same round, and the adaptive
 mode's ratio to the best fixed choice of its round (k = 0, the target alone, included): medians
-over --repeats rounds. Every output must equal the target alone's (exit 1 otherwise). Also: the
-controller's own cost per step, through Python (an upper bound of its C++ cost), against a
-one-row target pass.
+over --repeats rounds. Every output must equal the target alone's (exit 1 otherwise). Also, per
+mode, what its steps cost in the engine (a pass with its layer tap and the draft's row commits,
+and a draft step) as a share of the target alone's one-token pass in the same round (medians):
+the costs controller_replay.py models. And the controller's own cost per step, through Python (an
+upper bound of its C++ cost), against a one-row target pass.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
     ratios: dict[str, list[float]] = {m: [] for m in modes}
     vs_best_fixed: list[float] = []
     plain_share, by_k, probes = [], [0] * 5, 0
+    pass_share: dict[str, list[float]] = {m: [] for m in modes}   # a step's target pass / alone's
+    draft_share: dict[str, list[float]] = {m: [] for m in modes}  # a step's draft step / alone's pass
     # the adaptive mode has an engine of its own: its controller carries what it learnt from one
     # request to the next, as in a server's slot, which a fixed run in between would reset
     with Engine(target, n_ctx=2048, n_threads=2) as plain, \
@@ -85,6 +89,7 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
         for r in range(repeats):
             generated = dict.fromkeys(modes, 0)
             seconds = dict.fromkeys(modes, 0.0)
+            steps, verify_s, draft_s = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0), dict.fromkeys(modes, 0.0)
             for prompt in prompts:
                 alone = plain.generate(prompt, max_tokens=tokens)
                 outs = {"alone": alone,
@@ -96,19 +101,27 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
                         sys.exit(f"{name}: {mode} turned from the target alone's output")
                     generated[mode] += out.stats.generated
                     seconds[mode] += out.stats.draft_time + out.stats.verify_time
+                    steps[mode] += out.stats.steps
+                    verify_s[mode] += out.stats.verify_time
+                    draft_s[mode] += out.stats.draft_time
                 st = outs["adaptive"].stats
                 by_k = [a + b for a, b in zip(by_k, st.steps_by_verified, strict=True)]
                 plain_share.append(st.plain_share)
                 probes += st.probes
             speed = {m: generated[m] / seconds[m] for m in modes}
+            one_row = verify_s["alone"] / steps["alone"]
             for m in modes:
                 speeds[m].append(speed[m])
                 ratios[m].append(speed[m] / speed["alone"])
+                pass_share[m].append(verify_s[m] / steps[m] / one_row)
+                draft_share[m].append(draft_s[m] / steps[m] / one_row)
             vs_best_fixed.append(speed["adaptive"] / max(speed[m] for m in modes if m != "adaptive"))
             print(f"  {name}: round {r + 1}/{repeats} done", file=sys.stderr)
     return {"tokens_per_second": {m: statistics.median(v) for m, v in speeds.items()},
             "ratio_to_alone": {m: statistics.median(v) for m, v in ratios.items()},
             "adaptive_to_best_fixed": statistics.median(vs_best_fixed),
+            "pass_per_step_vs_alone": {m: statistics.median(v) for m, v in pass_share.items()},
+            "draft_per_step_vs_alone": {m: statistics.median(v) for m, v in draft_share.items()},
             "adaptive_steps_by_verified": by_k, "adaptive_plain_share": statistics.mean(plain_share),
             "adaptive_probes": probes}
 
@@ -162,6 +175,11 @@ def main() -> None:
         print(f"{name:>13} | " + " ".join(f"{r['ratio_to_alone'][m]:>8.2f}x" for m in modes)
               + f" | {r['adaptive_to_best_fixed']:.2f}x, {r['adaptive_plain_share']:.0%}, "
               f"{r['adaptive_steps_by_verified']}, {r['adaptive_probes']}")
+    print("a step's target pass and draft step against the target alone's pass, in the engine:")
+    for name in args.workloads:
+        r = results[name]
+        print(f"{name:>13} | " + " ".join(f"{r['pass_per_step_vs_alone'][m]:>4.2f}+{r['draft_per_step_vs_alone'][m]:.2f}"
+                                          for m in modes))
     c = results["controller"]
     print(f"controller: {c['us_per_step_through_python']:.1f} us a step through Python, "
           f"{c['share_of_a_one_row_pass']:.2%} of a one-row SmolLM2 pass")

@@ -24,7 +24,8 @@ the built-in pair on this project's 2-core machine, 2026-12-02 (the engine's cal
 running estimates at ~200 cached tokens; the passes of 2-5 rows since patch 0041, from
 `_core.time_passes` at 200 cached tokens, medians of 3 rounds: 1.15x, 1.36x, 1.50x, 1.73x one
 row). Quoted: tokens per millisecond of each mode as a ratio to the target alone, per workload and
-per request, and the adaptive mode's steps by k.
+per request, the adaptive mode's steps by k, and an oracle that knows each step's outcome (the
+bound for any block length rule with these drafts at these costs).
 """
 
 from __future__ import annotations
@@ -103,6 +104,26 @@ def replay(rec: Recording, ctl: BlockController, costs: Costs, n_max: int) -> tu
     return ms, len(answer) - 1, by_k
 
 
+def oracle(rec: Recording, costs: Costs, n_max: int) -> tuple[float, int]:
+    """The bound for any block length rule with these drafts and costs: every step knows how many
+    of the draft's tokens the target will keep; it drafts n_max and verifies exactly those when
+    there are any, and decodes one token without drafting otherwise (graph switches and the
+    draft's catch-up charged as in replay). Returns (ms, tokens)."""
+    answer, ms, s, last_rows, since_draft = rec.answer, 0.0, 0, 0, rec.n_prompt
+    while s < len(answer) - 1:
+        n_limit = min(n_max, len(answer) - 2 - s)
+        kept = 0
+        while kept < n_limit and rec.proposals[s][kept] == answer[s + 1 + kept]:
+            kept += 1
+        if kept:
+            ms += costs.draft_ms[n_limit - 1] + costs.catch_up_ms * max(0, since_draft - 2)
+            since_draft = 0
+        rows = kept + 1
+        ms += costs.pass_ms[rows - 1] + (costs.switch_ms if rows != last_rows else 0.0)
+        last_rows, since_draft, s = rows, since_draft + rows, s + rows
+    return ms, len(answer) - 1
+
+
 def run_workload(recordings: list[Recording], costs: Costs) -> dict:
     controllers = {"alone": (BlockController(N_MAX, costs.pass_ms, costs.draft_ms, adaptive=False), 0),
                    **{f"fixed {k}": (BlockController(N_MAX, costs.pass_ms, costs.draft_ms, adaptive=False), k)
@@ -118,11 +139,16 @@ def run_workload(recordings: list[Recording], costs: Costs) -> dict:
             rates[mode] = tokens / ms
             if mode == "adaptive":
                 by_k = [a + b for a, b in zip(by_k, steps, strict=True)]
+        ms, tokens = oracle(rec, costs, N_MAX)
+        total.setdefault("oracle", [0.0, 0])
+        total["oracle"][0] += ms
+        total["oracle"][1] += tokens
+        rates["oracle"] = tokens / ms
         per_request.append({m: rates[m] / rates["alone"] for m in rates})
     speed = {m: tokens / ms for m, (ms, tokens) in total.items()}
     ratio = {m: speed[m] / speed["alone"] for m in speed}
     return {"ratio_to_alone": ratio, "per_request": per_request, "adaptive_steps_by_verified": by_k,
-            "adaptive_to_best_fixed": ratio["adaptive"] / max(v for m, v in ratio.items() if m != "adaptive")}
+            "adaptive_to_best_fixed": ratio["adaptive"] / max(v for m, v in ratio.items() if m not in ("adaptive", "oracle"))}
 
 
 def record_workloads(names: list[str], tokens: int, draft: Path | None) -> dict[str, list[Recording]]:
