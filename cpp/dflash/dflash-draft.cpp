@@ -20,6 +20,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 using dflash_impl::check_gguf_layout;
@@ -929,22 +930,21 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
         ggml_tensor * a = rms_norm(ctx, x, l.attn_norm, d.rms_eps);
         ggml_tensor * q = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wq, a), d.head_dim, d.n_head, B);
         q = rope(d, ctx, rms_norm(ctx, q, l.q_norm, d.rms_eps), inp_pos);
-        ggml_tensor * k, * v;
-        project_kv(d, ctx, il, a, inp_pos, &k, &v);
-        if (cl.n_filled > 0) {
-            // keys: the retained context rows (ring order; the mask knows their positions), then the block
-            ggml_tensor * k_ctx = ggml_view_3d(ctx, cl.k, d.head_dim, d.n_head_kv, cl.n_filled, cl.k->nb[1] / d.n_head_kv,
-                                               cl.k->nb[1], 0);
-            ggml_tensor * v_ctx = ggml_view_3d(ctx, cl.v, d.head_dim, d.n_head_kv, cl.n_filled, cl.v->nb[1] / d.n_head_kv,
-                                               cl.v->nb[1], 0);
-            k = ggml_concat(ctx, k_ctx, k, 2);
-            v = ggml_concat(ctx, v_ctx, v, 2);
+        ggml_tensor * k_block, * v_block;
+        project_kv(d, ctx, il, a, inp_pos, &k_block, &v_block);
+        // keys: the retained context rows (ring order; the mask knows their positions), then the
+        // block, then padding. The block's rows are written to the spare rows right after the
+        // retained ones (they are expanded first, so computed before the attention reads them),
+        // so one view of the ring serves without copying the context each step; the padding
+        // rows hold zeros or an earlier step's block, both finite and masked.
+        const int n_keys = dflash_mask_cols(cl.n_filled + B, k_kv_pad);
+        for (auto [block, ring] : {std::pair{k_block, cl.k}, std::pair{v_block, cl.v}}) {
+            ggml_tensor * to = ggml_view_2d(ctx, ring, ring->ne[0], B, ring->nb[1], (size_t) cl.n_filled * ring->nb[1]);
+            ggml_tensor * rows = ggml_is_contiguous(block) ? block : ggml_cont(ctx, block);
+            ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_2d(ctx, rows, ring->ne[0], B), to));
         }
-        const int n_pad = dflash_mask_cols(cl.n_filled + B, k_kv_pad) - (cl.n_filled + B);
-        if (n_pad > 0) {
-            k = ggml_pad(ctx, k, 0, 0, n_pad, 0);
-            v = ggml_pad(ctx, v, 0, 0, n_pad, 0);
-        }
+        ggml_tensor * k = ggml_view_3d(ctx, cl.k, d.head_dim, d.n_head_kv, n_keys, cl.k->nb[1] / d.n_head_kv, cl.k->nb[1], 0);
+        ggml_tensor * v = ggml_view_3d(ctx, cl.v, d.head_dim, d.n_head_kv, n_keys, cl.v->nb[1] / d.n_head_kv, cl.v->nb[1], 0);
         // attention per head: grouped-query broadcast of kv heads over query heads
         ggml_tensor * kq = ggml_mul_mat(ctx, ggml_permute(ctx, k, 0, 2, 1, 3), ggml_permute(ctx, q, 0, 2, 1, 3));
         kq = ggml_soft_max_ext(ctx, kq, masks[il], kq_scale, 0.0f);
@@ -1058,8 +1058,10 @@ dflash_cache * dflash_cache_init(dflash_draft * d, int cross_ctx, bool full_atte
             // block row 0 is the oldest query: it sees window - 1 context rows at most
             const bool sliding = d->rule(il, full_attention).sliding;
             cl.capacity = sliding ? std::min(cross_ctx, std::max(0, d->window - 1)) : cross_ctx;
-            cl.k = ggml_new_tensor_2d(c->ctx, GGML_TYPE_F32, kv_dim, std::max(1, cl.capacity));
-            cl.v = ggml_new_tensor_2d(c->ctx, GGML_TYPE_F32, kv_dim, std::max(1, cl.capacity));
+            // spare rows after the ring: a step's block and the padding (see run_step)
+            const int rows = cl.capacity + d->block_size + k_kv_pad;
+            cl.k = ggml_new_tensor_2d(c->ctx, GGML_TYPE_F32, kv_dim, rows);
+            cl.v = ggml_new_tensor_2d(c->ctx, GGML_TYPE_F32, kv_dim, rows);
             cl.slot_pos.assign(cl.capacity, -1);
             c->layers.push_back(std::move(cl));
         }
@@ -1069,6 +1071,7 @@ dflash_cache * dflash_cache_init(dflash_draft * d, int cross_ctx, bool full_atte
         if (c->buf == nullptr) {
             fail("could not allocate the cross-context (%d rows)", cross_ctx);
         }
+        ggml_backend_buffer_clear(c->buf, 0);  // masked keys' values still meet a probability of 0: never NaN
         return c.release();
     }, (dflash_cache *) nullptr);
 }
