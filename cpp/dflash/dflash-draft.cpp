@@ -20,7 +20,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
-#include <utility>
+#include <tuple>
 #include <vector>
 
 using dflash_impl::check_gguf_layout;
@@ -263,8 +263,9 @@ struct dflash_draft {
 };
 
 struct dflash_cache_layer {
-    ggml_tensor * k = nullptr;    // [head_dim * n_head_kv, capacity], F32, a ring
-    ggml_tensor * v = nullptr;
+    // F32 rings of capacity slots, then spare rows for a step's block and padding (run_step)
+    ggml_tensor * k = nullptr;    // [head_dim * n_head_kv, slots]
+    ggml_tensor * v = nullptr;    // [slots, head_dim * n_head_kv]: transposed
     int capacity = 0;
     std::vector<int32_t> slot_pos;  // position held by each slot, -1 for none (never written, or dropped)
     int n_used = 0;                 // rows held
@@ -746,16 +747,26 @@ void project_kv(const dflash_draft & d, ggml_context * ctx, int il, ggml_tensor 
     *v = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wv, x), d.head_dim, d.n_head_kv, n);
 }
 
-// Copy columns [from, from+n) of src ([row, *]) into ring slots starting at slot (wrapping).
-void write_ring(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * src, ggml_tensor * ring, int capacity, int slot) {
+// Copy the n columns of src ([row, n]) into a layer's ring slots [slot, slot + n): keys are
+// stored a slot per column ([row, slots]), values transposed ([slots, row]), the layout the
+// attention's value product reads without a copy.
+void write_slots(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * src, ggml_tensor * ring, bool transposed, int slot) {
     const int64_t n = src->ne[1];
-    const size_t row = ring->nb[1];
+    ggml_tensor * to = transposed ? ggml_view_2d(ctx, ring, n, ring->ne[1], ring->nb[1], slot * ring->nb[0])
+                                  : ggml_view_2d(ctx, ring, ring->ne[0], n, ring->nb[1], slot * ring->nb[1]);
+    // a permutation, not ggml_transpose: the CPU copy of a GGML_OP_TRANSPOSE source writes its
+    // destination as if contiguous
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, transposed ? ggml_permute(ctx, src, 1, 0, 2, 3) : src, to));
+}
+
+// The same into ring slots starting at slot, wrapping at capacity.
+void write_ring(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * src, ggml_tensor * ring, bool transposed,
+                int capacity, int slot) {
+    const int64_t n = src->ne[1];
     int64_t done = 0;
     while (done < n) {
         const int64_t run = std::min<int64_t>(n - done, capacity - slot);
-        ggml_tensor * from = ggml_view_2d(ctx, src, src->ne[0], run, src->nb[1], done * src->nb[1]);
-        ggml_tensor * to = ggml_view_2d(ctx, ring, ring->ne[0], run, row, slot * row);
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, from, to));
+        write_slots(ctx, gf, ggml_view_2d(ctx, src, src->ne[0], run, src->nb[1], done * src->nb[1]), ring, transposed, slot);
         done += run;
         slot = 0;
     }
@@ -795,8 +806,9 @@ void append_rows(dflash_draft & d, dflash_cache & c, const float * in, bool fuse
         ggml_tensor * k, * v;
         project_kv(d, ctx, il, x, p, &k, &v);
         const int slot = (cl.next + (n - keep)) % cl.capacity;
-        write_ring(ctx, gf, ggml_reshape_2d(ctx, ggml_cont(ctx, k), cl.k->ne[0], keep), cl.k, cl.capacity, slot);
-        write_ring(ctx, gf, ggml_reshape_2d(ctx, ggml_cont(ctx, v), cl.v->ne[0], keep), cl.v, cl.capacity, slot);
+        const int64_t kv_dim = cl.k->ne[0];
+        write_ring(ctx, gf, ggml_reshape_2d(ctx, ggml_cont(ctx, k), kv_dim, keep), cl.k, false, cl.capacity, slot);
+        write_ring(ctx, gf, ggml_reshape_2d(ctx, ggml_cont(ctx, v), kv_dim, keep), cl.v, true, cl.capacity, slot);
         updates.push_back({il, first, keep, slot});
     }
     if (updates.empty() && fused_out == nullptr) {
@@ -938,18 +950,18 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
         // so one view of the ring serves without copying the context each step; the padding
         // rows hold zeros or an earlier step's block, both finite and masked.
         const int n_keys = dflash_mask_cols(cl.n_filled + B, k_kv_pad);
-        for (auto [block, ring] : {std::pair{k_block, cl.k}, std::pair{v_block, cl.v}}) {
-            ggml_tensor * to = ggml_view_2d(ctx, ring, ring->ne[0], B, ring->nb[1], (size_t) cl.n_filled * ring->nb[1]);
+        const int64_t kv_dim = cl.k->ne[0];
+        for (auto [block, ring, transposed] : {std::tuple{k_block, cl.k, false}, std::tuple{v_block, cl.v, true}}) {
             ggml_tensor * rows = ggml_is_contiguous(block) ? block : ggml_cont(ctx, block);
-            ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_2d(ctx, rows, ring->ne[0], B), to));
+            write_slots(ctx, gf, ggml_reshape_2d(ctx, rows, kv_dim, B), ring, transposed, cl.n_filled);
         }
         ggml_tensor * k = ggml_view_3d(ctx, cl.k, d.head_dim, d.n_head_kv, n_keys, cl.k->nb[1] / d.n_head_kv, cl.k->nb[1], 0);
-        ggml_tensor * v = ggml_view_3d(ctx, cl.v, d.head_dim, d.n_head_kv, n_keys, cl.v->nb[1] / d.n_head_kv, cl.v->nb[1], 0);
+        // [n_keys, head_dim, n_head_kv]: each value feature's row of slots
+        ggml_tensor * v_t = ggml_view_3d(ctx, cl.v, n_keys, d.head_dim, d.n_head_kv, cl.v->nb[1], cl.v->nb[1] * d.head_dim, 0);
         // attention per head: grouped-query broadcast of kv heads over query heads
         ggml_tensor * kq = ggml_mul_mat(ctx, ggml_permute(ctx, k, 0, 2, 1, 3), ggml_permute(ctx, q, 0, 2, 1, 3));
         kq = ggml_soft_max_ext(ctx, kq, masks[il], kq_scale, 0.0f);
-        ggml_tensor * v_t = ggml_cont(ctx, ggml_permute(ctx, v, 1, 2, 0, 3));  // [n_kv, head_dim, n_head_kv]
-        ggml_tensor * kqv = ggml_mul_mat(ctx, v_t, kq);                        // [head_dim, B, n_head]
+        ggml_tensor * kqv = ggml_mul_mat(ctx, v_t, kq);  // [head_dim, B, n_head]
         ggml_tensor * attn = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), d.head_dim * d.n_head, B);
         x = ggml_add(ctx, x, ggml_mul_mat(ctx, l.wo, attn));
 
@@ -1061,7 +1073,7 @@ dflash_cache * dflash_cache_init(dflash_draft * d, int cross_ctx, bool full_atte
             // spare rows after the ring: a step's block and the padding (see run_step)
             const int rows = cl.capacity + d->block_size + k_kv_pad;
             cl.k = ggml_new_tensor_2d(c->ctx, GGML_TYPE_F32, kv_dim, rows);
-            cl.v = ggml_new_tensor_2d(c->ctx, GGML_TYPE_F32, kv_dim, rows);
+            cl.v = ggml_new_tensor_2d(c->ctx, GGML_TYPE_F32, rows, kv_dim);  // transposed (write_slots)
             cl.slot_pos.assign(cl.capacity, -1);
             c->layers.push_back(std::move(cl));
         }
