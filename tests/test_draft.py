@@ -39,14 +39,15 @@ def target(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def drafts(target, tmp_path_factory):
-    """case -> (checkpoint folder, F32 GGUF, Q8_0 GGUF)."""
+    """case -> (checkpoint folder, F32 GGUF, {quantized type: GGUF})."""
     _, hf, _ = target
     out = {}
     for name, kwargs in CASES.items():
         folder = write_tiny_draft(tmp_path_factory.mktemp(name), hf, target_layer_ids=[0, 2], seed=7, **kwargs)
         f32 = convert(folder, hf, outtype="f32", outfile=folder / "draft-f32.gguf", log=lambda _: None)
-        q8 = convert(folder, hf, outtype="q8_0", outfile=folder / "draft-q8_0.gguf", log=lambda _: None)
-        out[name] = (folder, f32, q8)
+        quantized = {q: convert(folder, hf, outtype=q, outfile=folder / f"draft-{q}.gguf", log=lambda _: None)
+                     for q in ("q8_0", "q4_1")}
+        out[name] = (folder, f32, quantized)
     return out
 
 
@@ -80,8 +81,8 @@ def test_q8_0_keeps_the_argmax(target, drafts, case, record_property):
     from reference import ReferenceDraft
 
     _, hf, model = target
-    folder, _, q8 = drafts[case]
-    draft = _core.Draft(model, str(q8))
+    folder, _, quantized = drafts[case]
+    draft = _core.Draft(model, str(quantized["q8_0"]))
     features = context(20, draft.info()["n_target_features"])
     logits, tokens = draft.forward(features, np.arange(0, 20, dtype=np.int32), 65, 20)
     ref = ReferenceDraft(folder, hf).logits(features, 65, 20)
@@ -90,6 +91,23 @@ def test_q8_0_keeps_the_argmax(target, drafts, case, record_property):
     print(f"{case}: Q8_0 max relative logit error {error:.2e}")
     assert error < 0.05
     assert tokens == list(ref[1:].argmax(axis=1))
+
+
+@pytest.mark.parametrize("case", ["all-full", "swa-5+1"])
+def test_q4_1_follows_the_reference(target, drafts, case):
+    """4 bits and an offset a block of 32 round these tiny random weights by up to ~30% of the
+    largest logit, but the logits still follow the reference's closely."""
+    from reference import ReferenceDraft
+
+    _, hf, model = target
+    folder, _, quantized = drafts[case]
+    draft = _core.Draft(model, str(quantized["q4_1"]))
+    features = context(20, draft.info()["n_target_features"])
+    logits, _ = draft.forward(features, np.arange(0, 20, dtype=np.int32), 65, 20)
+    ref = ReferenceDraft(folder, hf).logits(features, 65, 20)
+    correlation = np.corrcoef(logits.ravel(), ref.ravel())[0, 1]
+    print(f"{case}: Q4_1 logits' correlation with the reference {correlation:.4f}")
+    assert correlation > 0.95
 
 
 def test_header_carries_the_sliding_pattern(target, drafts):
@@ -402,7 +420,7 @@ def _field(path, key):
 def test_converter_header_keys(target, drafts):
     import gguf
     _, hf, _ = target
-    reader = gguf.GGUFReader(drafts["causal-override"][2])
+    reader = gguf.GGUFReader(drafts["causal-override"][2]["q8_0"])
     f = lambda k: reader.fields[k].contents()  # noqa: E731
     assert f("general.architecture") == "dflash-draft"
     assert f("dflash-draft.dflash.block_size") == 8

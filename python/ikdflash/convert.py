@@ -1,6 +1,6 @@
 """Convert a Hugging Face DFlash draft into ik_llama.cpp's `dflash-draft` GGUF.
 
-    ikdflash convert DRAFT_DIR --target-model-dir TARGET [--outtype f32|f16|bf16|q8_0] [--outfile PATH]
+    ikdflash convert DRAFT_DIR --target-model-dir TARGET [--outtype f32|f16|bf16|q8_0|q4_1] [--outfile PATH]
     python -m ikdflash.convert ...
 
 DRAFT_DIR holds config.json (architecture DFlashDraftModel) and safetensors weights. TARGET is
@@ -43,6 +43,8 @@ OUTTYPES = {
     "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
     "bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
     "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    # a smaller, cheaper draft step; the built-in draft keeps its held-out acceptance in it (README)
+    "q4_1": (gguf.GGMLQuantizationType.Q4_1, gguf.LlamaFileType.MOSTLY_Q4_1),
 }
 MAX_TARGET_LAYERS = 8  # what ik_llama.cpp's loader accepts
 
@@ -458,8 +460,8 @@ def encode_tensor(array: np.ndarray, outtype: str) -> tuple[np.ndarray, gguf.GGM
         return array.astype(np.float32), gguf.GGMLQuantizationType.F32
     if qtype == gguf.GGMLQuantizationType.F16:
         return array.astype(np.float16), qtype
-    if qtype == gguf.GGMLQuantizationType.Q8_0 and array.shape[-1] % 32 != 0:
-        return array.astype(np.float16), gguf.GGMLQuantizationType.F16  # Q8_0 needs rows of 32
+    if array.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] != 0:
+        return array.astype(np.float16), gguf.GGMLQuantizationType.F16  # rows of whole blocks only
     return gguf.quants.quantize(array.astype(np.float32), qtype), qtype
 
 

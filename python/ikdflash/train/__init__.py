@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fit.add_argument("--seed", type=int, default=0)
     fit.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
     out = parser.add_argument_group("output")
-    out.add_argument("--outtype", choices=("f32", "f16", "q8_0"), default="q8_0")
+    out.add_argument("--outtype", choices=("f32", "f16", "q8_0", "q4_1"), default="q8_0")
     out.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts to measure (0: skip)")
     out.add_argument("--eval-tokens", type=int, default=128)
 
