@@ -76,16 +76,21 @@ def test_f32_matches_the_reference(target, drafts, case, n_ctx, start):
     assert tokens == list(ref[1:].argmax(axis=1))
 
 
-@pytest.mark.parametrize("case", ["all-full", "swa-5+1"])
-def test_q8_0_keeps_the_argmax(target, drafts, case, record_property):
+def quantized_forward(target, drafts, case: str, outtype: str) -> tuple[np.ndarray, list[int], np.ndarray]:
+    """The case's draft in outtype and the reference, on 20 context rows: (logits, tokens, reference logits)."""
     from reference import ReferenceDraft
 
     _, hf, model = target
     folder, _, quantized = drafts[case]
-    draft = _core.Draft(model, str(quantized["q8_0"]))
+    draft = _core.Draft(model, str(quantized[outtype]))
     features = context(20, draft.info()["n_target_features"])
     logits, tokens = draft.forward(features, np.arange(0, 20, dtype=np.int32), 65, 20)
-    ref = ReferenceDraft(folder, hf).logits(features, 65, 20)
+    return logits, tokens, ReferenceDraft(folder, hf).logits(features, 65, 20)
+
+
+@pytest.mark.parametrize("case", ["all-full", "swa-5+1"])
+def test_q8_0_keeps_the_argmax(target, drafts, case, record_property):
+    logits, tokens, ref = quantized_forward(target, drafts, case, "q8_0")
     error = relative_error(logits, ref)
     record_property("q8_0_relative_error", error)
     print(f"{case}: Q8_0 max relative logit error {error:.2e}")
@@ -97,14 +102,7 @@ def test_q8_0_keeps_the_argmax(target, drafts, case, record_property):
 def test_q4_1_follows_the_reference(target, drafts, case):
     """4 bits and an offset a block of 32 round these tiny random weights by up to ~30% of the
     largest logit, but the logits still follow the reference's closely."""
-    from reference import ReferenceDraft
-
-    _, hf, model = target
-    folder, _, quantized = drafts[case]
-    draft = _core.Draft(model, str(quantized["q4_1"]))
-    features = context(20, draft.info()["n_target_features"])
-    logits, _ = draft.forward(features, np.arange(0, 20, dtype=np.int32), 65, 20)
-    ref = ReferenceDraft(folder, hf).logits(features, 65, 20)
+    logits, _, ref = quantized_forward(target, drafts, case, "q4_1")
     correlation = np.corrcoef(logits.ravel(), ref.ravel())[0, 1]
     print(f"{case}: Q4_1 logits' correlation with the reference {correlation:.4f}")
     assert correlation > 0.95

@@ -20,7 +20,6 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
-#include <tuple>
 #include <vector>
 
 using dflash_impl::check_gguf_layout;
@@ -747,6 +746,12 @@ void project_kv(const dflash_draft & d, ggml_context * ctx, int il, ggml_tensor 
     *v = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wv, x), d.head_dim, d.n_head_kv, n);
 }
 
+// Projected keys or values ([head_dim, n_head_kv, n]) as n rows of head_dim * n_head_kv.
+ggml_tensor * kv_rows(ggml_context * ctx, ggml_tensor * t) {
+    ggml_tensor * rows = ggml_is_contiguous(t) ? t : ggml_cont(ctx, t);
+    return ggml_reshape_2d(ctx, rows, t->ne[0] * t->ne[1], t->ne[2]);
+}
+
 // Copy the n columns of src ([row, n]) into a layer's ring slots [slot, slot + n): keys are
 // stored a slot per column ([row, slots]), values transposed ([slots, row]), the layout the
 // attention's value product reads without a copy.
@@ -806,9 +811,8 @@ void append_rows(dflash_draft & d, dflash_cache & c, const float * in, bool fuse
         ggml_tensor * k, * v;
         project_kv(d, ctx, il, x, p, &k, &v);
         const int slot = (cl.next + (n - keep)) % cl.capacity;
-        const int64_t kv_dim = cl.k->ne[0];
-        write_ring(ctx, gf, ggml_reshape_2d(ctx, ggml_cont(ctx, k), kv_dim, keep), cl.k, false, cl.capacity, slot);
-        write_ring(ctx, gf, ggml_reshape_2d(ctx, ggml_cont(ctx, v), kv_dim, keep), cl.v, true, cl.capacity, slot);
+        write_ring(ctx, gf, kv_rows(ctx, k), cl.k, false, cl.capacity, slot);
+        write_ring(ctx, gf, kv_rows(ctx, v), cl.v, true, cl.capacity, slot);
         updates.push_back({il, first, keep, slot});
     }
     if (updates.empty() && fused_out == nullptr) {
@@ -950,11 +954,8 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
         // so one view of the ring serves without copying the context each step; the padding
         // rows hold zeros or an earlier step's block, both finite and masked.
         const int n_keys = dflash_mask_cols(cl.n_filled + B, k_kv_pad);
-        const int64_t kv_dim = cl.k->ne[0];
-        for (auto [block, ring, transposed] : {std::tuple{k_block, cl.k, false}, std::tuple{v_block, cl.v, true}}) {
-            ggml_tensor * rows = ggml_is_contiguous(block) ? block : ggml_cont(ctx, block);
-            write_slots(ctx, gf, ggml_reshape_2d(ctx, rows, kv_dim, B), ring, transposed, cl.n_filled);
-        }
+        write_slots(ctx, gf, kv_rows(ctx, k_block), cl.k, false, cl.n_filled);
+        write_slots(ctx, gf, kv_rows(ctx, v_block), cl.v, true, cl.n_filled);
         ggml_tensor * k = ggml_view_3d(ctx, cl.k, d.head_dim, d.n_head_kv, n_keys, cl.k->nb[1] / d.n_head_kv, cl.k->nb[1], 0);
         // [n_keys, head_dim, n_head_kv]: each value feature's row of slots
         ggml_tensor * v_t = ggml_view_3d(ctx, cl.v, n_keys, d.head_dim, d.n_head_kv, cl.v->nb[1], cl.v->nb[1] * d.head_dim, 0);
