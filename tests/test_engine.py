@@ -414,20 +414,21 @@ def test_a_one_token_decode_computes_what_a_verification_row_computes(tiny_model
     """Past 256 cached keys the base's CPU flash attention narrowed a single query row's keys and
     split them over threads, so a one-token decode rounded otherwise than the same row inside a
     verification block (by 1e-6 here; on SmolLM2 by a few percent of probability, enough to turn
-    9 of 16 greedy replies). Patch 0028 computes the row as a block's row: the target's
-    log-probabilities are then identical, bit for bit, with and without the draft and on 1 or 2
-    threads. Grouped-query heads of 64, as SmolLM2's. In Q4_1 and Q8_0 too (the built-in pair's
-    types), whose products over 1-8 rows have a kernel of their own (patch 0038)."""
+    9 of 16 greedy replies). Patch 0028 computes the row as a block's row, and patch 0042 cuts
+    every row's keys into the same chunks of 256 cells whatever the thread count: the target's
+    log-probabilities are then identical, bit for bit, with and without the draft and on 1, 2 or
+    3 threads, here across a chunk's edge. Grouped-query heads of 64, as SmolLM2's. In Q4_1 and
+    Q8_0 too (the built-in pair's types), whose products over 1-8 rows have a kernel of their own
+    (patch 0038)."""
     target = tiny_model("llama", n_layer=3, n_embd=576, n_head=9, n_head_kv=3, head_dim=64, n_ff=256,
                         weight_type=weight_type)
     draft = tiny_draft(target, target_layer_ids=[0, 1], block_size=8)
     prompt = [3 + (7 * i) % 240 for i in range(254)]
     runs = {}
-    for threads in (1, 2):
+    for threads in (1, 2, 3):
         with Engine(target, draft, n_ctx=640, n_threads=threads) as engine:
             alone = engine.generate(prompt, max_tokens=12, logprobs=2)
-            # a fixed block length: every step verifies n_max + 1 rows (5, and 2, which patch 0040
-            # computes with each head's rows on one thread)
+            # a fixed block length: every step verifies n_max + 1 rows (5, and 2)
             dflash = engine.speculate(prompt, max_tokens=12, logprobs=2, adaptive=False)
             pairs = engine.speculate(prompt, max_tokens=12, logprobs=2, n_max=1, adaptive=False)
             for name, out in (("alone", alone), ("dflash", dflash), ("dflash n_max 1", pairs)):
