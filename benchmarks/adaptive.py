@@ -63,7 +63,7 @@ def chat_prompts(engine: Engine, questions: list[str]) -> list[list[int]]:
     return [engine.chat_tokens([("system", SYSTEM), ("user", q)]) for q in questions]
 
 
-def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, repeats: int) -> dict:
+def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, repeats: int, repack: bool) -> dict:
     """Each mode's tokens/s over a whole round of the workload's requests, its ratio to the target
     alone in the same round, and the adaptive mode's ratio to the best fixed choice of that round
     (the target alone, k = 0, included): medians over rounds. Within a round every request runs in
@@ -78,9 +78,9 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
     draft_share: dict[str, list[float]] = {m: [] for m in modes}  # a step's draft step / alone's pass
     # the adaptive mode has an engine of its own: its controller carries what it learnt from one
     # request to the next, as in a server's slot, which a fixed run in between would reset
-    with Engine(target, n_ctx=2048, n_threads=2) as plain, \
-            Engine(target, draft, n_ctx=2048, n_threads=2) as fixed, \
-            Engine(target, draft, n_ctx=2048, n_threads=2) as adaptive:
+    with Engine(target, n_ctx=2048, n_threads=2, repack=repack) as plain, \
+            Engine(target, draft, n_ctx=2048, n_threads=2, repack=repack) as fixed, \
+            Engine(target, draft, n_ctx=2048, n_threads=2, repack=repack) as adaptive:
         prompts = prompts_of(fixed)
         for prompt in prompts[:1]:  # warm-up: first passes page weights in and plan buffers
             plain.generate(prompt, max_tokens=tokens)
@@ -147,6 +147,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--repack", action="store_true", help="repack weights at load (llama-server's -rtr)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     target, draft = resolve_pair(DEFAULT_PAIR)
@@ -164,7 +165,7 @@ def main() -> None:
         }
         for name in args.workloads:
             t, d, prompts_of = workloads[name]
-            results[name] = run_workload(name, t, d, prompts_of, args.tokens, args.repeats)
+            results[name] = run_workload(name, t, d, prompts_of, args.tokens, args.repeats, args.repack)
     alone = results[args.workloads[0]]["tokens_per_second"]["alone"]
     results["controller"] = controller_cost(1e3 / alone)
     modes = list(results[args.workloads[0]]["ratio_to_alone"])
@@ -184,7 +185,8 @@ def main() -> None:
     print(f"controller: {c['us_per_step_through_python']:.1f} us a step through Python, "
           f"{c['share_of_a_one_row_pass']:.2%} of a one-row SmolLM2 pass")
     if args.json:
-        args.json.write_text(json.dumps({"tokens": args.tokens, "repeats": args.repeats, **results}, indent=2))
+        args.json.write_text(json.dumps({"tokens": args.tokens, "repeats": args.repeats, "repack": args.repack,
+                                         **results}, indent=2))
 
 
 if __name__ == "__main__":

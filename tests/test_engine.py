@@ -409,8 +409,8 @@ def test_a_moe_targets_first_generation_is_like_the_next(pairs):
     assert [t.logprob for t in first.logprobs] == [t.logprob for t in again.logprobs]
 
 
-@pytest.mark.parametrize("weight_type", ["F32", "Q4_1", "Q8_0"])
-def test_a_one_token_decode_computes_what_a_verification_row_computes(tiny_model, tiny_draft, weight_type):
+@pytest.mark.parametrize(("weight_type", "repack"), [("F32", False), ("Q4_1", False), ("Q8_0", False), ("Q4_1", True), ("Q8_0", True)])
+def test_a_one_token_decode_computes_what_a_verification_row_computes(tiny_model, tiny_draft, weight_type, repack):
     """Past 256 cached keys the base's CPU flash attention narrowed a single query row's keys and
     split them over threads, so a one-token decode rounded otherwise than the same row inside a
     verification block (by 1e-6 here; on SmolLM2 by a few percent of probability, enough to turn
@@ -419,14 +419,14 @@ def test_a_one_token_decode_computes_what_a_verification_row_computes(tiny_model
     log-probabilities are then identical, bit for bit, with and without the draft and on 1, 2 or
     3 threads, here across a chunk's edge. Grouped-query heads of 64, as SmolLM2's. In Q4_1 and
     Q8_0 too (the built-in pair's types), whose products over 1-8 rows have a kernel of their own
-    (patch 0038)."""
+    (patch 0038), and Q4_1 repacked at load (patch 0043)."""
     target = tiny_model("llama", n_layer=3, n_embd=576, n_head=9, n_head_kv=3, head_dim=64, n_ff=256,
                         weight_type=weight_type)
     draft = tiny_draft(target, target_layer_ids=[0, 1], block_size=8)
     prompt = [3 + (7 * i) % 240 for i in range(254)]
     runs = {}
     for threads in (1, 2, 3):
-        with Engine(target, draft, n_ctx=640, n_threads=threads) as engine:
+        with Engine(target, draft, n_ctx=640, n_threads=threads, repack=repack) as engine:
             alone = engine.generate(prompt, max_tokens=12, logprobs=2)
             # a fixed block length: every step verifies n_max + 1 rows (5, and 2)
             dflash = engine.speculate(prompt, max_tokens=12, logprobs=2, adaptive=False)

@@ -84,6 +84,29 @@ def test_q4_1_few_row_products_do_not_depend_on_how_threads_split_the_rows(tiny_
     assert np.array_equal(states[0], states[1]), np.abs(states[0] - states[1]).max()
 
 
+@pytest.mark.parametrize("n_ff", [256, 4352])
+def test_q4_1_weights_repacked_at_load_compute_what_they_compute_as_stored(tiny_model, n_ff):
+    """Run-time repacking (llama-server's -rtr) interleaves Q4_1 weights 8 rows at a time (patch
+    0043), so that a few rows' products need no transpose of the stored rows. Each lane computes
+    what the stored layout's few-row kernel computes, and large batches convert the interleaved
+    rows into the same 8-bit layout as the stored ones: the states are identical, bit for bit, in
+    batches of 8 and of 48 (a prompt). Rows of more than 4,096 weights (the feed-forward's down
+    projection at n_ff 4352) take another kernel as stored, so in batches of 8 they are close."""
+    path = tiny_model("llama", n_layer=3, n_embd=576, n_head=9, n_head_kv=3, head_dim=64, n_ff=n_ff,
+                      weight_type="Q4_1")
+    tokens = [3 + (7 * i) % 240 for i in range(48)]
+    for n_batch in (8, 48):
+        states = {}
+        for repack in (False, True):
+            with Model(path, n_ctx=256, n_batch=n_batch, n_threads=2, repack=repack) as model:
+                states[repack] = model._native.layer_features(tokens, [0, 1])[0]
+        if n_ff > 4096 and n_batch == 8:
+            error = np.abs(states[True] - states[False]).max() / np.abs(states[False]).max()
+            assert error < 0.02, f"repacked states differ by {100 * error:.1f}% from the stored layout's"
+        else:
+            assert np.array_equal(states[True], states[False]), (n_batch, np.abs(states[True] - states[False]).max())
+
+
 REPACKED_STATES = """
 import sys
 import numpy as np

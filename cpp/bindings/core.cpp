@@ -45,6 +45,8 @@ PYBIND11_MODULE(_core, m) {
         g_log_verbose = verbose;
     }, py::arg("verbose"), "Print the fork's log to stderr (off by default).");
     m.def("build_info", &build_info, "Version, compiled backends and CPU features of this build.");
+    m.def("repack_keeps_results", &repack_keeps_results, py::arg("path"),
+          "Whether run-time repacking changes only weights whose repacked kernels keep DFlash exact.");
 
     py::class_<Model>(m, "Model")
         .def(py::init<const std::string &, int, int, int, int, bool>(), py::arg("path"), py::arg("n_ctx") = 512,

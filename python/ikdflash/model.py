@@ -8,6 +8,15 @@ from typing import Sequence
 
 from ikdflash import _core
 
+def repack_by_default(path: str | os.PathLike[str], n_gpu_layers: int = 0) -> bool:
+    """Whether a model loads repacked when ``repack`` is left to None: on the CPU only (offloaded
+    weights are not repacked), and where every weight the fork would repack is Q4_1 or Q8_0, whose
+    repacked kernels compute what a one-token decode computes on every row count (Q4_1's even the
+    stored layout's results, bit for bit), with the head tied to the embedding table (never
+    repacked; a draft cuts rows out of it). There, repacking makes decoding faster (the weights sit
+    in memory of their own, not the file's pages) and verification rows cheaper."""
+    return n_gpu_layers == 0 and _core.repack_keeps_results(os.fspath(path))
+
 
 @dataclass
 class Generation:
@@ -22,7 +31,9 @@ class Model:
 
     Model parameters: ``n_gpu_layers`` (layers offloaded to the GPU; 0 = CPU only).
     Context parameters: ``n_ctx`` (tokens of context), ``n_batch`` (prompt tokens per
-    forward pass), ``n_threads`` (CPU threads; None = up to 8, one per core).
+    forward pass), ``n_threads`` (CPU threads; None = up to 8, one per core). ``repack``: the
+    fork's run-time repacking of CPU weights into row-interleaved layouts (llama-server's
+    ``-rtr``); None: where it keeps results exact (``repack_by_default``).
 
     Raises FileNotFoundError for a missing file and ValueError, naming the file and the
     loader's reason, for anything the fork cannot load. Close it with ``close()``, ``with``,
@@ -30,10 +41,15 @@ class Model:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, n_ctx: int = 512, n_batch: int = 512,
-                 n_threads: int | None = None, n_gpu_layers: int = 0, verbose: bool = False) -> None:
+                 n_threads: int | None = None, n_gpu_layers: int = 0, repack: bool | None = None,
+                 verbose: bool = False) -> None:
         _core.set_verbose(verbose)
+        if repack is None:
+            repack = repack_by_default(path, n_gpu_layers)
         self._native = _core.Model(os.fspath(path), n_ctx=n_ctx, n_threads=n_threads or 0,
-                                   n_gpu_layers=n_gpu_layers, n_batch=n_batch)
+                                   n_gpu_layers=n_gpu_layers, n_batch=n_batch, repack=repack)
+        self.repacked = repack
+        """Whether the weights were repacked at load."""
         self._n_threads = n_threads or 0
 
     # --- lifecycle -------------------------------------------------------------------------

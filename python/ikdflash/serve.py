@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from ikdflash.hub import HubError, add_model_arguments, resolve_models
+from ikdflash.model import repack_by_default
 from ikdflash.pair import check_pair
 from ikdflash.server import Server, ServerError, accepts_connections, free_port, is_loopback
 from ikdflash.spectype import SpecType, SpecTypeError
@@ -47,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "last 16 steps falls below this fraction (default: never; a low one is logged)")
     parser.add_argument("-c", "--ctx-size", type=int, default=8192, help="context size (default 8192)")
     parser.add_argument("--gpu-layers", type=int, help="target layers on the GPU (llama-server -ngl)")
+    parser.add_argument("--repack", action=argparse.BooleanOptionalAction, default=None,
+                        help="repack the target's CPU weights at load (llama-server -rtr); default: where it keeps "
+                             "results exact (Q4_1 and Q8_0 weights, a tied head, no --gpu-layers)")
     parser.add_argument("--gpu-layers-draft", type=int,
                         help="draft placement (-ngld): default follows the target's output layer, "
                              "0 keeps it on the CPU")
@@ -81,6 +85,9 @@ def build_server(args: argparse.Namespace) -> Server:
         extra += ["--alias", args.alias]
     if args.gpu_layers is not None:
         extra += ["-ngl", str(args.gpu_layers)]
+    repack = args.repack if args.repack is not None else repack_by_default(args.target, args.gpu_layers or 0)
+    if repack:
+        extra += ["-rtr"]
     if args.rpc:
         extra += ["--rpc", ",".join(_check_rpc_workers(args.rpc))]
     if args.gpu_layers_draft is not None:
