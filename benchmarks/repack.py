@@ -1,16 +1,27 @@
-"""What run-time repacking (llama-server's -rtr) does to the built-in pair: the target alone's
-prompt and decoding speed, and DFlash against the target alone, with the weights as stored and
-repacked, side by side.
+"""What run-time repacking (llama-server's -rtr) does to the built-in pair, side by side: the
+target's passes of 1-5 rows, and the target alone, DFlash and prefill with the weights as stored
+and repacked.
 
-    python benchmarks/repack.py [--tokens 128] [--repeats 3] [--prompt-tokens 1024] [--json out.json]
+    python benchmarks/repack.py [--pass-rounds 30] [--tokens 128] [--repeats 3] [--prompt-tokens 1024]
+                                [--json out.json]
 
 The built-in target is Q4_1, which the fork repacks into 8 interleaved rows (patch 0043) whose
-few-row kernel needs no transpose; its results are the same bit for bit, so each mode's output must
-equal the stored layout's target alone (exit 1 otherwise). Per round, for each layout: the chat
-questions of adaptive.py decoded by the target alone, by DFlash with a fixed block of one draft,
-and with the adaptive block length (n_max 4); and a prompt of --prompt-tokens tokens prefilled.
-Reported: medians over rounds of tokens/s, each layout's DFlash modes as a ratio to its own target
-alone in the same round, and the repacked layout's speeds as a ratio to the stored layout's.
+few-row kernel needs no transpose; the results are the same bit for bit. Repacking also loads the
+weights into memory of their own instead of mapping the file's pages, so the passes are timed in
+three loads in one process: as stored and mapped (the fork's default), as stored in memory of
+their own (--no-mmap), and repacked; each round times every load's passes of 1, 2, 3 and 5 rows
+after the same 160 cached tokens (`_core.time_passes`, 5 passes a load, the loads taking turns),
+and each load's medians over rounds are reported against its own one-row pass and against the
+mapped load's one-row pass.
+
+Then, per round, for each layout (the mapped stored one and the repacked one): the chat questions
+of adaptive.py decoded by the target alone, by DFlash with a fixed block of one draft, and with
+the adaptive block length (n_max 4), each mode in an engine of its own; and a prompt of
+--prompt-tokens tokens prefilled. Every output must equal the stored layout's target alone
+(exit 1 otherwise). Reported: medians over rounds of tokens/s, each layout's DFlash modes against
+its own target alone in the same round, and the repacked layout's speeds against the stored one's.
+Engines of one process differ by a few percent in speed from where their weights landed; the pass
+timings are the steadier figure.
 """
 
 from __future__ import annotations
@@ -22,13 +33,37 @@ import statistics
 import sys
 from pathlib import Path
 
-from ikdflash import Engine
+from ikdflash import Engine, _core
 from ikdflash.hub import DEFAULT_PAIR, resolve_pair
 
 from adaptive import QUESTIONS, chat_prompts  # beside this script
 
 LAYOUTS = {"stored": False, "repacked": True}
 MODES = ("alone", "fixed 1", "adaptive")
+
+
+PASS_LOADS = {"stored, mapped": {"repack": False, "mmap": True},
+              "stored, own memory": {"repack": False, "mmap": False},
+              "repacked": {"repack": True, "mmap": True}}  # repacking reads the weights into memory of its own
+PASS_ROWS = [1, 2, 3, 5]
+
+
+def pass_costs(target: Path, rounds: int) -> dict:
+    """Per load: median ms of a pass of each row count, the loads taking turns each round."""
+    times: dict[str, list[list[float]]] = {name: [[] for _ in PASS_ROWS] for name in PASS_LOADS}
+    with contextlib.ExitStack() as stack:
+        models = {}
+        for name, options in PASS_LOADS.items():
+            model = _core.Model(str(target), n_ctx=256, n_threads=2, n_batch=8, **options)
+            stack.callback(model.close)
+            models[name] = model
+            _core.time_passes(model, PASS_ROWS, 160, 2)  # warm-up: pages weights in, plans buffers
+        for _ in range(rounds):
+            for name, model in models.items():
+                for k, passes in enumerate(_core.time_passes(model, PASS_ROWS, 160, 5)):
+                    times[name][k] += passes
+    return {name: {str(n): statistics.median(t) for n, t in zip(PASS_ROWS, rows, strict=True)}
+            for name, rows in times.items()}
 
 
 def one_round(engines: dict[str, dict[str, Engine]], prompts: list[list[int]], long_prompt: list[int],
@@ -58,12 +93,20 @@ def one_round(engines: dict[str, dict[str, Engine]], prompts: list[list[int]], l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pass-rounds", type=int, default=30)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     target, draft = resolve_pair(DEFAULT_PAIR)
+    passes = pass_costs(target, args.pass_rounds)
+    mapped_one_row = passes["stored, mapped"]["1"]
+    print(f"{'load':>18} | {'1 row':>7} | " + " ".join(f"{n:>2} rows" for n in PASS_ROWS[1:])
+          + " | each row count's time against the mapped stored one-row pass")
+    for name, ms in passes.items():
+        print(f"{name:>18} | {ms['1']:>5.2f}ms | " + " ".join(f"{ms[str(n)] / ms['1']:>6.2f}x" for n in PASS_ROWS[1:])
+              + " | " + " ".join(f"{ms[str(n)] / mapped_one_row:.2f}x" for n in PASS_ROWS))
     rounds = []
     # DFlash's modes have an engine each: the adaptive controller carries what it learnt from one
     # request to the next, as in a server's slot, which a fixed run in between would reset
@@ -84,7 +127,8 @@ def main() -> None:
     def median(f) -> float:
         return statistics.median(f(s) for s in rounds)
 
-    result = {"tokens": args.tokens, "repeats": args.repeats, "prompt_tokens": args.prompt_tokens,
+    result = {"pass_ms_160_cached": passes, "tokens": args.tokens, "repeats": args.repeats,
+              "prompt_tokens": args.prompt_tokens,
               "tokens_per_second": {lay: {m: median(lambda s, lay=lay, m=m: s[lay][m]) for m in (*MODES, "prefill")}
                                     for lay in LAYOUTS},
               "ratio_to_alone": {lay: {m: median(lambda s, lay=lay, m=m: s[lay][m] / s[lay]["alone"]) for m in MODES}

@@ -107,6 +107,36 @@ def test_q4_1_weights_repacked_at_load_compute_what_they_compute_as_stored(tiny_
             assert np.array_equal(states[True], states[False]), (n_batch, np.abs(states[True] - states[False]).max())
 
 
+def test_weights_are_repacked_by_default_only_where_results_stay_exact(tiny_model, tmp_path):
+    """repack=None (the default) repacks a CPU target whose repackable weights are all Q4_1 or Q8_0
+    (their repacked kernels keep verification rows equal to decodes); other types, offloaded
+    targets and targets with nothing to repack load as stored."""
+    from ikdflash import _core
+    from ikdflash.model import repack_by_default
+    from gguf_edit import rewrite
+
+    def tied(path):  # the head tied to the embedding table, as SmolLM2's
+        return rewrite(path, tmp_path / f"tied-{path.name}", rename_tensor=lambda n: None if n == "output.weight" else n)
+
+    shape = dict(n_layer=3, n_embd=576, n_head=9, n_head_kv=3, head_dim=64, n_ff=256)
+    f32 = tied(tiny_model("llama", **shape))
+    untied_q4_1 = tiny_model("llama", **shape, weight_type="Q4_1")
+    q4_1 = tied(untied_q4_1)
+    q6_k = tmp_path / "q6_k.gguf"
+    _core.quantize(str(f32), str(q6_k), "Q6_K", 2)
+    assert repack_by_default(q4_1)
+    assert not repack_by_default(q4_1, n_gpu_layers=1)
+    assert not repack_by_default(untied_q4_1)  # a head of its own: a draft may cut rows out of it
+    assert not repack_by_default(f32)          # nothing to repack
+    assert not repack_by_default(q6_k)
+    with Model(q4_1, n_ctx=64) as default, Model(q4_1, n_ctx=64, repack=False) as stored:
+        assert default.repacked and not stored.repacked
+        assert default.generate("hello", max_tokens=6, stop_at_eog=False).tokens == \
+            stored.generate("hello", max_tokens=6, stop_at_eog=False).tokens
+    with Model(q6_k, n_ctx=64) as model:
+        assert not model.repacked
+
+
 REPACKED_STATES = """
 import sys
 import numpy as np

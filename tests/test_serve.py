@@ -82,6 +82,9 @@ def test_dry_run_prints_the_command(pair):
     assert "-c 2048" in out.stdout and "-ngl 99 -ngld 0" in out.stdout and out.stdout.strip().endswith("--metrics")
     fixed = serve("--target", str(target), "--draft", str(draft), "--no-adaptive", "--dry-run")
     assert fixed.returncode == 0 and "--spec-type dflash:n_max=4,adaptive=0" in fixed.stdout
+    assert "-rtr" not in fixed.stdout.split()  # F32 weights: nothing repacked by default (repack_by_default)
+    repacked = serve("--target", str(target), "--draft", str(draft), "--repack", "--dry-run")
+    assert repacked.returncode == 0 and "-rtr" in repacked.stdout.split()
 
 
 def test_warns_when_the_window_cannot_engage(tiny_model, tiny_draft):

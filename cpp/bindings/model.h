@@ -87,7 +87,7 @@ inline void check_model_file(const std::string & path) {
     }
 }
 
-// Whether every weight that run-time repacking would change is of a type whose repacked kernel
+// Whether run-time repacking changes some weights, and only weights of a type whose repacked kernel
 // computes, on every row count, what a one-token decode computes (Q4_1, Q8_0; the engine's tests
 // check each), so that repacking keeps speculative decoding lossless. The embedding table is never
 // repacked; a target with a head of its own (output.weight) is left as stored. False for a file
@@ -101,17 +101,19 @@ inline bool repack_keeps_results(const std::string & path) {
     if (file == nullptr) {
         return false;
     }
-    bool exact = true;
+    bool exact = true, any = false;
     for (ggml_tensor * t = ggml_get_first_tensor(meta); t != nullptr; t = ggml_get_next_tensor(meta, t)) {
         if (std::strcmp(t->name, "output.weight") == 0) {
             exact = false;  // a head of its own would be repacked, and a draft's cut of it needs its rows apart
         } else if (ggml_n_dims(t) >= 2 && std::strcmp(t->name, "token_embd.weight") != 0) {
-            exact = exact && (t->type == GGML_TYPE_Q4_1 || t->type == GGML_TYPE_Q8_0 || t->type == GGML_TYPE_F32);
+            const bool repacked = t->type == GGML_TYPE_Q4_1 || t->type == GGML_TYPE_Q8_0;
+            any = any || repacked;
+            exact = exact && (repacked || t->type == GGML_TYPE_F32);
         }
     }
     gguf_free(file);
     ggml_free(meta);
-    return exact;
+    return exact && any;
 }
 
 inline int default_threads() {
@@ -121,8 +123,10 @@ inline int default_threads() {
 class Model {
 public:
     // repack: the fork's run-time repacking of weights into its interleaved layouts, where a type
-    // has one (llama-server's -rtr).
-    Model(const std::string & path, int n_ctx, int n_threads, int n_gpu_layers, int n_batch, bool repack = false)
+    // has one (llama-server's -rtr; it loads the weights into memory of their own). mmap: map the
+    // file's pages instead of reading the weights into memory of their own (--no-mmap: false).
+    Model(const std::string & path, int n_ctx, int n_threads, int n_gpu_layers, int n_batch, bool repack = false,
+          bool mmap = true)
         : path_(path) {
         check_model_file(path);
         if (n_ctx < 1) {
@@ -131,6 +135,7 @@ public:
         llama_model_params mparams = llama_model_default_params();
         mparams.n_gpu_layers = n_gpu_layers;
         mparams.repack_tensors = repack;
+        mparams.use_mmap = mmap;
         take_log_errors();
         {
             py::gil_scoped_release release;

@@ -10,7 +10,7 @@ from ikdflash import _core
 
 def repack_by_default(path: str | os.PathLike[str], n_gpu_layers: int = 0) -> bool:
     """Whether a model loads repacked when ``repack`` is left to None: on the CPU only (offloaded
-    weights are not repacked), and where every weight the fork would repack is Q4_1 or Q8_0, whose
+    weights are not repacked), and where the fork would repack some weights, all Q4_1 or Q8_0, whose
     repacked kernels compute what a one-token decode computes on every row count (Q4_1's even the
     stored layout's results, bit for bit), with the head tied to the embedding table (never
     repacked; a draft cuts rows out of it). There, repacking makes decoding faster (the weights sit
