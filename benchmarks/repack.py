@@ -141,7 +141,8 @@ def main() -> None:
         t, r = result["tokens_per_second"][lay], result["ratio_to_alone"][lay]
         print(f"{lay:>9} | " + " ".join(f"{t[m]:>9.1f}" for m in MODES) + f" | {t['prefill']:>13.0f} | "
               + ", ".join(f"{r[m]:.2f}x" for m in MODES[1:]))
-    print("repacked / stored, same round: " + ", ".join(f"{m} {v:.3f}x" for m, v in result["repacked_to_stored"].items()))
+    print("repacked / stored, same round: "
+          + ", ".join(f"{m} {v:.3f}x" for m, v in result["repacked_to_stored"].items()))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

@@ -409,7 +409,8 @@ def test_a_moe_targets_first_generation_is_like_the_next(pairs):
     assert [t.logprob for t in first.logprobs] == [t.logprob for t in again.logprobs]
 
 
-@pytest.mark.parametrize(("weight_type", "repack"), [("F32", False), ("Q4_1", False), ("Q8_0", False), ("Q4_1", True), ("Q8_0", True)])
+@pytest.mark.parametrize(("weight_type", "repack"),
+                         [("F32", False), ("Q4_1", False), ("Q8_0", False), ("Q4_1", True), ("Q8_0", True)])
 def test_a_one_token_decode_computes_what_a_verification_row_computes(tiny_model, tiny_draft, weight_type, repack):
     """Past 256 cached keys the base's CPU flash attention narrowed a single query row's keys and
     split them over threads, so a one-token decode rounded otherwise than the same row inside a

@@ -116,7 +116,8 @@ def test_weights_are_repacked_by_default_only_where_results_stay_exact(tiny_mode
     from gguf_edit import rewrite
 
     def tied(path):  # the head tied to the embedding table, as SmolLM2's
-        return rewrite(path, tmp_path / f"tied-{path.name}", rename_tensor=lambda n: None if n == "output.weight" else n)
+        return rewrite(path, tmp_path / f"tied-{path.name}",
+                       rename_tensor=lambda n: None if n == "output.weight" else n)
 
     shape = dict(n_layer=3, n_embd=576, n_head=9, n_head_kv=3, head_dim=64, n_ff=256)
     f32 = tied(tiny_model("llama", **shape))

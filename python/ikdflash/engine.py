@@ -130,9 +130,9 @@ class Engine:
     """A target GGUF and, optionally, a DFlash draft GGUF, loaded in the fork.
 
     Model parameters: ``n_gpu_layers``, ``repack`` (see Model). Context parameters: ``n_ctx``
-    (target context), ``n_batch``, ``n_threads``. DFlash parameters: ``cross_ctx`` (context rows the draft's
-    full-attention layers keep; default: follow ``n_ctx``, so a sliding window can engage),
-    ``full_attention`` (run every draft layer as full attention, for validation),
+    (target context), ``n_batch``, ``n_threads``. DFlash parameters: ``cross_ctx`` (context
+    rows the draft's full-attention layers keep; default: follow ``n_ctx``, so a sliding window
+    can engage), ``full_attention`` (run every draft layer as full attention, for validation),
     ``n_gpu_layers_draft`` (where the draft runs: -1 follows the target's output layer, 0 the
     CPU, > 0 a GPU; ``draft_device`` says where it went).
     """

@@ -8,6 +8,7 @@ from typing import Sequence
 
 from ikdflash import _core
 
+
 def repack_by_default(path: str | os.PathLike[str], n_gpu_layers: int = 0) -> bool:
     """Whether a model loads repacked when ``repack`` is left to None: on the CPU only (offloaded
     weights are not repacked), and where the fork would repack some weights, all Q4_1 or Q8_0, whose
