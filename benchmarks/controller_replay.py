@@ -1,7 +1,7 @@
 """The adaptive block length replayed on recorded drafts at given costs: the controller against
 every fixed n_max and the target alone, without the machine's noise.
 
-    python benchmarks/controller_replay.py [--tokens 128] [--workloads built-in mixed useless]
+    python benchmarks/controller_replay.py [--tokens 128] [--workloads useless built-in mixed alternating]
         [--pass-ms 9.9 11.4 13.5 14.9 17.1] [--draft-ms 1.8 1.9 2.1 2.5] [--json out.json]
         [--recordings recordings.json]   # recorded once (~3 min), replayed in seconds after
         [--draft D.gguf]                 # another draft for the built-in target
@@ -42,7 +42,7 @@ from ikdflash._core import BlockController
 from ikdflash.hub import DEFAULT_PAIR, resolve_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from adaptive import LISTINGS, QUESTIONS, chat_prompts, scrambled_draft
+from adaptive import WORKLOAD_QUESTIONS, chat_prompts, scrambled_draft
 from draft_confidence import draft_steps
 
 N_MAX = 4
@@ -155,9 +155,7 @@ def record_workloads(names: list[str], tokens: int, draft: Path | None) -> dict[
     target, shipped = resolve_pair(DEFAULT_PAIR)
     draft = draft or shipped
     with Engine(target, n_ctx=256, n_threads=1) as engine:  # the chat template, for the prompts
-        questions = {"useless": QUESTIONS, "built-in": QUESTIONS,
-                     "mixed": [QUESTIONS[0], LISTINGS[0], QUESTIONS[3], LISTINGS[1]]}
-        prompts = {name: chat_prompts(engine, questions[name]) for name in names}
+        prompts = {name: chat_prompts(engine, WORKLOAD_QUESTIONS[name]) for name in names}
     recordings = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
@@ -170,8 +168,7 @@ def record_workloads(names: list[str], tokens: int, draft: Path | None) -> dict[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--workloads", nargs="+", default=["useless", "built-in", "mixed"],
-                        choices=["useless", "built-in", "mixed"])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOAD_QUESTIONS), choices=list(WORKLOAD_QUESTIONS))
     parser.add_argument("--pass-ms", type=float, nargs=N_MAX + 1, default=[9.9, 11.4, 13.5, 14.9, 17.1])
     parser.add_argument("--draft-ms", type=float, nargs=N_MAX, default=[1.8, 1.9, 2.1, 2.5])
     parser.add_argument("--switch-ms", type=float, default=0.8)

@@ -296,8 +296,9 @@ struct dflash_adapt {
         return k;
     }
 
-    // The k in 0..n_limit with the most expected tokens per millisecond.
-    int best_k(int n_limit) const {
+    // The k in 0..n_limit with the most expected tokens per millisecond, each draft position kept
+    // as often as p(j) says.
+    template <typename Acceptance> int best_k(int n_limit, Acceptance p) const {
         if (costs->scale_ms <= 0.0) {
             return n_limit;  // nothing measured yet: speculate, which measures
         }
@@ -305,7 +306,7 @@ struct dflash_adapt {
         double best_rate = 1.0 / costs->next_pass_ms(1);
         double expected = 1.0, kept_through = 1.0;
         for (int k = 1; k <= n_limit; ++k) {
-            kept_through *= acceptance(k);
+            kept_through *= p(k);
             expected += kept_through;
             const double step_ms = draft_cost_at(k, n_limit) + costs->next_pass_ms(k + 1);
             const double rate = expected / step_ms;
@@ -325,7 +326,7 @@ struct dflash_adapt {
         if (costs == nullptr) {
             return {n_limit, n_limit};
         }
-        int k = best_k(n_limit);
+        int k = best_k(n_limit, [this](int j) { return acceptance(j); });
         if (explore_left > 0) {
             --explore_left;
             k = std::min(k + 1, n_limit);
@@ -346,6 +347,14 @@ struct dflash_adapt {
         }
         since_probe = 0;
         stats.n_probes += 1;
+        // Once probes have hit past a new request's evidence (which probes at its first plain
+        // step), the draft looks right: a probe then proposes the block that would pay if every
+        // position were kept that often, so the later positions get measured too. Where one draft
+        // does not pay but several do (a tiny target's passes cost mostly their overhead),
+        // one-token probes kept k at 0 for good.
+        if (turned_right > fresh_evidence()) {
+            return {std::max(1, best_k(n_limit, [](int) { return k_turned_right_p; })), 0};
+        }
         return {1, 0};
     }
 
