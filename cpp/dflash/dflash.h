@@ -172,7 +172,10 @@ LLAMA_API void dflash_seq_restore_state(const dflash_seq * seq);
 // occasional probe (a draft step of one token, compared, not verified) notices when the draft
 // becomes right again: probes run where they cost 1% of plain decoding, and more often as hits
 // beyond what the estimate expects add up to evidence that it turned right (a CUSUM); a new
-// request (dflash_adapt_reset) is probed at its first plain step. Each plain step also moves the
+// request (dflash_adapt_reset) is probed at its first plain step. Once probes have hit past that
+// first one's evidence, a probe proposes the block that would pay were every position kept 90% of
+// the time, so the later positions are measured too (where one draft does not pay but several do,
+// one-token probes left k at 0). Each plain step also moves the
 // quick estimates a tenth of the way back to slow ones (the last ~100 observations), so a run of
 // misses that sent a draft which pays by a little to k = 0 does not keep it there. A k whose pass
 // has another row count than the last pass also pays for rebuilding the target's graph
