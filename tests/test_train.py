@@ -355,6 +355,41 @@ def test_refresh_recomputes_features_for_the_same_tokens_and_resumes(trained, ta
     assert "neither a data folder nor a tokens file" in capsys.readouterr().err
 
 
+def test_a_retrain_starts_from_saved_answers_and_answers_only_new_prompts(target, tmp_path, capsys):
+    """train --answers: the answers a repository keeps as token ids (`data tokens`) start the data
+    folder, their features computed again by the fork, and the folder then grows with answers to
+    the conversations after them; the same command again resumes without redoing either."""
+    from ikdflash.train.data import main as data_main
+    from ikdflash.train.data import open_dataset
+
+    corpus = write_corpus(tmp_path / "chats.jsonl", 40)
+    common = ["--target", str(target), "--corpus", str(corpus), "--kind", "generated", "--seq-len", "256",
+              "--system", "Be brief.", "--threads", "2"]
+    assert data_main(["build", *common, "--rows", "600", str(tmp_path / "earlier")]) == 0
+    earlier = open_dataset(tmp_path / "earlier")
+    assert data_main(["tokens", str(tmp_path / "earlier"), str(tmp_path / "answers.npz")]) == 0
+    out = tmp_path / "run"
+    argv = ["train", *common, "--out", str(out), "--answers", str(tmp_path / "answers.npz"), "--data-rows", "1200",
+            "--window", "8", "--block-size", "5", "--head-vocab", "0", "--max-steps", "2", "--outtype", "f32",
+            "--eval-prompts", "0"]
+    assert main(argv) == 0
+    grown = open_dataset(out / "data")
+    n = earlier.meta["n_sequences"]
+    assert grown.n_rows >= 1200 and grown.meta["n_sequences"] > n
+    for name in ("tokens", "trainable", "greedy"):
+        assert np.array_equal(getattr(grown, name)[:earlier.n_rows], getattr(earlier, name)), name
+    assert np.abs(grown.features[:earlier.n_rows].astype(np.float32) - earlier.features.astype(np.float32)).max() < 1e-2
+    seeded = {tuple(grown.tokens[first:first + length]) for first, length in grown.index[:n]}
+    assert not seeded & {tuple(grown.tokens[first:first + length]) for first, length in grown.index[n:]}
+    assert main(argv) == 0  # resumes: nothing refreshed or answered again
+    assert open_dataset(out / "data").meta["n_sequences"] == grown.meta["n_sequences"]
+    capsys.readouterr()
+    assert main([*argv, "--kind", "corpus"]) == 2
+    assert "--answers starts --kind generated data" in capsys.readouterr().err
+    assert main([*argv, "--answers", str(tmp_path / "missing.npz")]) == 2
+    assert "missing.npz: no such file" in capsys.readouterr().err
+
+
 def test_data_build_makes_what_train_makes_and_grows_a_folder(trained, target, tmp_path, capsys):
     """`data build` with train's data arguments makes the folder the training run made (same
     sequences, same features); asked for more rows it appends to it; bad layers are refused."""

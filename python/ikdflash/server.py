@@ -151,8 +151,9 @@ class Server:
                  log_file: str | os.PathLike[str] | None = None, log_to_stdout: bool = False,
                  startup_timeout: float = 120.0, stop_grace: float = 10.0,
                  on_wait: Callable[[float], None] | None = None, env: Mapping[str, str] | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, binary: str | os.PathLike[str] | None = None) -> None:
         self.model = Path(model)
+        self.binary = Path(binary) if binary else None  # another llama-server build (benchmarks); default the fork's
         self.host = host
         self.port = port
         self.ctx_size = ctx_size
@@ -179,7 +180,7 @@ class Server:
 
     def command(self) -> list[str]:
         """The exact llama-server command line (port resolved when start() runs)."""
-        cmd = [str(server_binary()), "-m", str(self.model.resolve()), "-c", str(self.ctx_size),
+        cmd = [str(self.binary or server_binary()), "-m", str(self.model.resolve()), "-c", str(self.ctx_size),
                "--host", self.host, "--port", str(self.port)]
         if self.n_threads:
             cmd += ["-t", str(self.n_threads)]

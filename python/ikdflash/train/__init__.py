@@ -40,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "its own --minutes)")
     data = parser.add_argument_group("data")
     data.add_argument("--data", type=Path, help="data folder to build (default: OUT/data); runs can share one")
+    data.add_argument("--answers", type=Path,
+                      help="with --kind generated: saved answers (a tokens file of `python -m ikdflash.train.data "
+                           "tokens`, e.g. data/smollm2-135m-swa-plain-answers.npz) to start the --data folder from: "
+                           "their features computed again by this fork at prefill speed, before any new answer")
     data.add_argument("--extra-data", type=Path, action="append", default=[],
                       help="another finished data folder to train on as well (repeatable)")
     data.add_argument("--data-share", type=float,
@@ -53,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="with --kind generated: also gather this many rows of corpus conversations through the "
                            "target (OUT/data-corpus) and train on both (see --data-share)")
     data.add_argument("--seq-len", type=int, default=1024, help="longest sequence, tokens (default 1024)")
+    data.add_argument("--corpus-seq-len", type=int,
+                      help="longest --corpus-rows sequence (default: --seq-len; shorter spans more conversations)")
     data.add_argument("--system", help="a system message first in every conversation (default: the chat "
                       "template's own; SmolLM2's makes the model end most first answers at once)")
     draft = parser.add_argument_group("draft")
@@ -151,6 +157,10 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.corpus_rows and args.kind != "generated":
         raise ValueError("--corpus-rows adds corpus rows to --kind generated data; with --kind corpus use --data-rows")
+    if args.answers and args.kind != "generated":
+        raise ValueError("--answers starts --kind generated data from saved answers; add --kind generated")
+    if args.answers and not args.answers.is_file():
+        raise FileNotFoundError(f"--answers {args.answers}: no such file")
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -177,8 +187,16 @@ def _run(args: argparse.Namespace) -> int:
     started = time.time()
 
     # --- data: the target over training conversations ------------------------------------------
+    data_folder = args.data or out / "data"
+    if args.answers:
+        saved_layers = data.open_tokens(args.answers).meta["layer_ids"]
+        if saved_layers != layer_ids:
+            raise ValueError(f"--answers {args.answers}: saved for target layers {saved_layers}, not {layer_ids}; "
+                             f"pass --target-layers {','.join(map(str, saved_layers))}")
+        # resumes, and leaves a folder already grown past the saved answers as it is
+        data.refresh(args.target, args.answers, data_folder, n_threads=args.threads)
     training = corpus.training_conversations(args.corpus)
-    dataset = data.build(args.target, training, args.data or out / "data", layer_ids=layer_ids, kind=args.kind,
+    dataset = data.build(args.target, training, data_folder, layer_ids=layer_ids, kind=args.kind,
                          max_rows=args.data_rows, seq_len=args.seq_len, seed=args.seed, n_threads=args.threads,
                          system=args.system)
     print(f"data: {dataset.n_rows} rows in {dataset.meta['n_sequences']} sequences "
@@ -187,8 +205,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.corpus_rows:
         training = corpus.training_conversations(args.corpus)
         built.append(data.build(args.target, training, out / "data-corpus", layer_ids=layer_ids, kind="corpus",
-                                max_rows=args.corpus_rows, seq_len=args.seq_len, n_threads=args.threads,
-                                system=args.system))
+                                max_rows=args.corpus_rows, seq_len=args.corpus_seq_len or args.seq_len,
+                                n_threads=args.threads, system=args.system))
         print(f"data: {built[1].n_rows} corpus rows ({built[1].meta['seconds'] / 60:.1f} min to make)",
               file=sys.stderr)
 

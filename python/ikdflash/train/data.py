@@ -344,6 +344,10 @@ def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], fold
                 writer.append(tokens, greedy, np.asarray(old.trainable[first:first + n]), features)
                 writer.meta["conversations_done"] = writer.meta["n_sequences"]
                 writer.tick(old.n_rows, progress)
+            # a build that grows the folder goes on after the last conversation the source
+            # looked at, answered or not
+            writer.meta["conversations_done"] = max(writer.meta["conversations_done"],
+                                                    int(old.meta.get("conversations_done", 0)))
         finally:
             writer.close()
     return open_dataset(folder)
