@@ -55,7 +55,7 @@ LISTINGS = ["Count from 1 to 60, separated by commas.",
 # requests whose answers the shipped draft cannot predict (its first token kept 8% and 10%)
 RANDOM_NUMBERS = ["Write 30 random six-digit numbers, separated by commas.",
                   "Write 30 random four-digit numbers, separated by spaces."]
-# the prompts of each built-in-pair workload but useless (the same questions as built-in)
+# the questions of each workload on the built-in target (useless: built-in's, with the scrambled draft)
 WORKLOAD_QUESTIONS = {"useless": QUESTIONS, "built-in": QUESTIONS,
                       "mixed": [QUESTIONS[0], LISTINGS[0], QUESTIONS[3], LISTINGS[1]],
                       "alternating": [RANDOM_NUMBERS[0], LISTINGS[0], RANDOM_NUMBERS[1], LISTINGS[1]]}
