@@ -81,6 +81,14 @@ def test_layer_features_are_the_targets_own(target):
     # no layers: nothing captured (the capture's cost is measured against this), same greedy tokens
     bare, bare_greedy = model.layer_features(tokens, [])
     assert bare.shape == (len(tokens), 0) and list(bare_greedy) == list(greedy)
+    # the top tokens: the greedy one first, logits less the largest, falling
+    same, same_greedy, top_ids, top_logits = model.layer_features(tokens, [0, 2], top_k=5)
+    np.testing.assert_array_equal(same, features)
+    assert top_ids.shape == top_logits.shape == (len(tokens), 5)
+    assert list(top_ids[:, 0]) == list(greedy) and (top_logits[:, 0] == 0).all()
+    assert (np.diff(top_logits, axis=1) <= 0).all() and all(len(set(row)) == 5 for row in top_ids)
+    with pytest.raises(ValueError, match="top_k must lie in"):
+        model.layer_features(tokens, [0], top_k=-1)
     with pytest.raises(ValueError, match="outside 0..2"):
         model.layer_features(tokens, [3])
     with pytest.raises(ValueError, match="do not fit the context"):
@@ -100,13 +108,18 @@ def test_captured_rows_are_the_reference_hidden_states(tiny_model, tmp_path):
                                                  dtype=torch.float32).eval()
     tokens = [(17 * i) % 200 + 5 for i in range(40)]
     with torch.no_grad():
-        hidden = reference(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        out = reference(torch.tensor([tokens]), output_hidden_states=True)
+    hidden = out.hidden_states
     for gpu_layers in (0, 99) if "CUDA" in _core.build_info()["backends"] else (0,):
         model = _core.Model(str(target), n_ctx=512, n_batch=512, n_gpu_layers=gpu_layers)
-        features, _ = model.layer_features(tokens, [0, 2])
+        features, _, top_ids, top_logits = model.layer_features(tokens, [0, 2], top_k=8)
         for k, il in enumerate([0, 2]):
             np.testing.assert_allclose(features[:, k * model.n_embd:(k + 1) * model.n_embd],
                                        hidden[il + 1][0].numpy(), rtol=1e-2, atol=1e-2)
+        # the soft labels: the reference's logits at the kept ids, less its largest
+        logits = out.logits[0].numpy()
+        np.testing.assert_allclose(top_logits, np.take_along_axis(logits, top_ids, 1) - logits.max(1, keepdims=True),
+                                   atol=2e-2)
         model.close()
 
 
@@ -192,6 +205,57 @@ def test_labels_follow_the_targets_path(tmp_path):
     assert list(target.labels(tokens, greedy, 8)[1]) == [1.0, 1.0, 0.0, 0.0]  # the sequence ends
     corpus = Batches([data], 5, 31, TrainSettings(minutes=1, labels="corpus"), label_map)
     assert list(corpus.labels(tokens, greedy, 1)[0]) == [7, 8, 9, 10]
+
+
+def test_soft_labels_are_the_targets_top_tokens_after_each_row(tmp_path):
+    """Block position j of anchor a learns the distribution the data kept after row a+j-1, over
+    the top tokens the cut head holds (renormalised); a folder without top tokens is refused."""
+    import torch
+
+    from ikdflash.train.data import Dataset
+    from ikdflash.train.loop import Batches, TrainSettings, step_loss
+
+    n, k = 12, 3
+    top_ids = np.stack([np.arange(n) + 1, np.arange(n) + 2, np.full(n, 30)], 1).astype(np.int32)
+    top_logits = np.tile(np.array([0.0, -1.0, -2.0], np.float16), (n, 1))
+    data = Dataset(folder=tmp_path, meta={"n_rows": n, "width": 1, "top_k": k}, index=np.array([[0, n]]),
+                   tokens=np.arange(n), greedy=np.arange(n) + 1, trainable=np.ones(n, dtype=np.uint8),
+                   features=np.zeros((n, 1), np.float16), top_ids=top_ids, top_logits=top_logits)
+    label_map = np.arange(32)
+    label_map[30] = -1  # id 30 is not in the head: dropped, the others renormalised
+    settings = TrainSettings(minutes=1, soft_labels=0.5, sequences_per_step=1, anchors_per_sequence=4)
+    batch = Batches([data], 4, 31, settings, label_map).sample(np.random.default_rng(0))
+    anchors = batch["anchors"][0]
+    for i, a in enumerate(anchors.tolist()):
+        for j in range(1, 4):
+            if a + j - 1 < n:
+                assert batch["soft_ids"][0, i, j - 1, :2].tolist() == [a + j, a + j + 1]
+                np.testing.assert_allclose(batch["soft_probs"][0, i, j - 1], [1 / (1 + np.exp(-1)),
+                                           np.exp(-1) / (1 + np.exp(-1)), 0], rtol=1e-3)
+    # with the whole loss on the distribution, a head that scores it exactly has its entropy as loss
+    settings_b = TrainSettings(minutes=1)
+    assert settings_b.soft_labels == 0 and "soft_ids" not in Batches([data], 4, 31, settings_b, label_map).sample(
+        np.random.default_rng(0))
+
+    class Exact(torch.nn.Module):  # hidden state = the wanted log-probabilities, head = identity
+        cfg = type("cfg", (), {"block_size": 4})
+
+        def hidden(self, features, block, anchors):
+            S, A = anchors.shape
+            out = torch.full((S, A, 4, 32), -1e4)
+            out[:, :, 1:].scatter_(-1, batch["soft_ids"][..., :2], batch["soft_probs"][..., :2].clamp(min=1e-9).log())
+            return out.view(S * A * 4, 32)
+
+    loss, _ = step_loss(Exact(), batch, torch.eye(32), torch.ones(3), 3, soft_labels=1.0)
+    p = 1 / (1 + np.exp(-1))
+    assert loss.item() == pytest.approx(-(p * np.log(p) + (1 - p) * np.log(1 - p)), rel=1e-3)
+    old = Dataset(folder=tmp_path / "old", meta={"n_rows": n, "width": 1}, index=np.array([[0, n]]),
+                  tokens=np.arange(n), greedy=np.arange(n) + 1, trainable=np.ones(n, dtype=np.uint8),
+                  features=np.zeros((n, 1), np.float16))
+    with pytest.raises(ValueError, match="old: made before data kept the target's top tokens"):
+        Batches([data, old], 4, 31, settings, label_map)
+    with pytest.raises(ValueError, match="--soft-labels must lie in 0..1"):
+        TrainSettings(minutes=1, soft_labels=1.5)
 
 
 def test_data_share_sets_where_anchors_come_from(tmp_path):
@@ -294,10 +358,10 @@ def test_answers_beside_the_corpus_with_a_cut_head_and_one_schedule(target, tmp_
             "--data-rows", "1500", "--corpus-rows", "1500", "--data-share", "0.7", "--seq-len", "256",
             "--window", "8", "--block-size", "5", "--layout", "all-sliding", "--head-vocab", "100",
             "--total-minutes", "0.02", "--minutes", "5", "--outtype", "f32", "--eval-prompts", "2",
-            "--eval-tokens", "16", "--threads", "2", "--gamma", "1.5"]
+            "--eval-tokens", "16", "--threads", "2", "--gamma", "1.5", "--soft-labels", "0.5"]
     assert main(argv) == 0
     answers = json.loads((out / "data" / "meta.json").read_text())
-    assert answers["kind"] == "generated" and answers["n_rows"] >= 1500
+    assert answers["kind"] == "generated" and answers["n_rows"] >= 1500 and answers["top_k"] == 16
     assert json.loads((out / "data-corpus" / "meta.json").read_text())["n_rows"] >= 1500
     ids = json.loads((out / "draft-hf" / "config.json").read_text())["dflash_config"]["head_token_ids"]
     assert len(ids) == 100 and ids == sorted(ids)
@@ -309,7 +373,7 @@ def test_answers_beside_the_corpus_with_a_cut_head_and_one_schedule(target, tmp_
     assert set(tokens) <= set(ids)
     # the schedule is spent: the same command again resumes and trains no further step
     stage = json.loads((out / "stages.json").read_text())[-1]
-    assert stage["gamma"] == 1.5
+    assert stage["gamma"] == 1.5 and stage["soft_labels"] == 0.5
     steps = stage["to_step"]
     assert main(argv) == 0
     assert json.loads((out / "stages.json").read_text())[-1]["to_step"] == steps

@@ -7,7 +7,8 @@ namespace ikdflash {
 void bind_dflash(py::module_ & m);
 void bind_measure(py::module_ & m);
 void bind_answers(py::module_ & m);
-py::tuple layer_features(Model & model, const std::vector<llama_token> & tokens, const std::vector<int32_t> & layer_ids);
+py::tuple layer_features(Model & model, const std::vector<llama_token> & tokens, const std::vector<int32_t> & layer_ids,
+                         int top_k);
 }
 
 namespace {
@@ -58,8 +59,9 @@ PYBIND11_MODULE(_core, m) {
         .def("detokenize", &Model::detokenize, py::arg("tokens"), py::arg("render_special") = false)
         .def("generate_greedy", &Model::generate_greedy, py::arg("prompt"), py::arg("max_tokens"),
              py::arg("stop_at_eog") = true)
-        .def("layer_features", &layer_features, py::arg("tokens"), py::arg("layer_ids"),
-             "Target layer outputs and greedy next tokens at every position of tokens.")
+        .def("layer_features", &layer_features, py::arg("tokens"), py::arg("layer_ids"), py::arg("top_k") = 0,
+             "Target layer outputs and greedy next tokens at every position of tokens; top_k > 0 adds each\n"
+             "position's top_k next-token ids and logits less the largest: (features, greedy, top_ids, top_logits).")
         .def("meta", &Model::meta, py::arg("key"))
         .def_property_readonly("path", &Model::path)
         .def_property_readonly("n_vocab", &Model::n_vocab)

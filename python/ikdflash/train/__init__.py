@@ -83,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "the loss on the first draft tokens, which a CPU verifies most)")
     fit.add_argument("--off-path-weight", type=float, default=1.0,
                      help="weight of target labels past where the text leaves the target's path (default 1)")
+    fit.add_argument("--soft-labels", type=float, default=0.0, metavar="SHARE",
+                     help="share of each position's loss on the target's top tokens, its distribution there, "
+                          "beside its greedy token (0..1; default 0: the greedy token only)")
     fit.add_argument("--head-vocab", type=int, default=DEFAULTS["head_vocab"],
                      help="train the head's softmax over the N most used ids (0: all; default 16384)")
     fit.add_argument("--lr", type=float, default=6e-4)
@@ -173,6 +176,7 @@ def _run(args: argparse.Namespace) -> int:
     # checked before anything is made
     settings = loop.TrainSettings(minutes=args.minutes, seed=args.seed, lr=args.lr, labels=args.labels,
                                   off_path_weight=args.off_path_weight, first_share=args.data_share, gamma=args.gamma,
+                                  soft_labels=args.soft_labels,
                                   head_vocab=args.head_vocab, max_steps=args.max_steps, n_threads=args.threads,
                                   snapshot_minutes=args.snapshot_minutes, total_minutes=args.total_minutes)
     args.target = str(resolve(args.target, role="target"))
@@ -239,6 +243,7 @@ def _run(args: argparse.Namespace) -> int:
     stages = json.loads(stages_path.read_text()) if stages_path.is_file() else []
     stage: dict[str, Any] = {"command": shlex.join(["ikdflash", *args.argv]), "labels": args.labels,
                              "off_path_weight": args.off_path_weight, "gamma": args.gamma, "seed": args.seed,
+                             "soft_labels": args.soft_labels,
                              "init": args.init,
                              "data_rows": sum(d.n_rows for d in datasets),
                              "data_kinds": sorted({d.meta["kind"] for d in datasets})}

@@ -18,6 +18,9 @@ On disk (append-only, so a build can stop and resume, and data can exceed RAM):
     greedy.i32        [n_rows]   the target's greedy next token after each row
     trainable.u8      [n_rows]   1 where the row is part of an assistant turn (anchors come from there)
     features.f16      [n_rows, width]  the target layers' outputs, concatenated
+    top_ids.i32       [n_rows, top_k]  the target's top_k next tokens after each row, likeliest first
+    top_logits.f16    [n_rows, top_k]  their logits less the likeliest's: the target's distribution
+                                       beside its greedy token, ~100 bytes a row (soft labels)
 
 `build` makes a folder on its own (what `ikdflash train --data` would make before training), so
 that data of several kinds can be made once and shared by runs (`--data`, `--extra-data`).
@@ -51,8 +54,15 @@ from ikdflash.train.corpus import Conversation
 if TYPE_CHECKING:
     from ikdflash.model import Model
 
-FILES = {"index": np.int64, "tokens": np.int32, "greedy": np.int32, "trainable": np.uint8, "features": np.float16}
+FILES = {"index": np.int64, "tokens": np.int32, "greedy": np.int32, "trainable": np.uint8, "features": np.float16,
+         "top_ids": np.int32, "top_logits": np.float16}
+SUFFIXES = {"index": "i64", "tokens": "i32", "greedy": "i32", "trainable": "u8", "features": "f16", "top_ids": "i32",
+            "top_logits": "f16"}
+TOP_FILES = ("top_ids", "top_logits")  # absent from folders made before soft labels (meta top_k 0)
 KINDS = ("corpus", "generated")
+# next-token candidates kept a row: enough for the mass a small target spreads over its likeliest
+# tokens, at ~3% of a row's bytes and of its capture time
+TOP_K = 16
 
 
 class DataError(ValueError):
@@ -70,6 +80,8 @@ class Dataset:
     greedy: np.ndarray
     trainable: np.ndarray
     features: np.ndarray
+    top_ids: np.ndarray | None = None     # None: made without the target's top tokens
+    top_logits: np.ndarray | None = None
 
     @property
     def n_rows(self) -> int:
@@ -79,10 +91,22 @@ class Dataset:
     def width(self) -> int:
         return int(self.meta["width"])
 
+    @property
+    def top_k(self) -> int:
+        return int(self.meta.get("top_k", 0))
+
 
 def _path(folder: Path, name: str) -> Path:
-    suffix = {"index": "i64", "tokens": "i32", "greedy": "i32", "trainable": "u8", "features": "f16"}[name]
-    return folder / f"{name}.{suffix}"
+    return folder / f"{name}.{SUFFIXES[name]}"
+
+
+def _files(meta: dict) -> dict[str, tuple[type, tuple[int, ...]]]:
+    """The folder's arrays: dtype and shape of each."""
+    n_rows, top_k = meta["n_rows"], meta.get("top_k", 0)
+    shapes = {"index": (meta["n_sequences"], 2), "features": (n_rows, meta["width"]), "top_ids": (n_rows, top_k),
+              "top_logits": (n_rows, top_k)}
+    return {name: (dtype, shapes.get(name, (n_rows,))) for name, dtype in FILES.items()
+            if top_k > 0 or name not in TOP_FILES}
 
 
 def open_dataset(folder: str | os.PathLike[str]) -> Dataset:
@@ -91,12 +115,10 @@ def open_dataset(folder: str | os.PathLike[str]) -> Dataset:
     if not meta_path.is_file():
         raise DataError(f"{folder}: no meta.json (not a data folder made by ikdflash train)")
     meta = json.loads(meta_path.read_text())
-    n_rows, n_seq, width = meta["n_rows"], meta["n_sequences"], meta["width"]
-    if n_seq == 0:
+    if meta["n_sequences"] == 0:
         raise DataError(f"{folder}: the data holds no sequence")
     arrays = {}
-    for name, dtype in FILES.items():
-        shape = {"index": (n_seq, 2), "features": (n_rows, width)}.get(name, (n_rows,))
+    for name, (dtype, shape) in _files(meta).items():
         path = _path(folder, name)
         need = int(np.prod(shape)) * np.dtype(dtype).itemsize
         if not path.is_file() or path.stat().st_size < need:
@@ -115,22 +137,22 @@ class _Writer:
         self.t_start = self.t_report = time.monotonic()
         self.seconds_before, self.rows_at_start = meta["seconds"], meta["n_rows"]
         folder.mkdir(parents=True, exist_ok=True)
-        sizes = {"index": meta["n_sequences"] * 2, "features": meta["n_rows"] * meta["width"]}
         self.files = {}
-        for name, dtype in FILES.items():
+        for name, (dtype, shape) in _files(meta).items():
             path = _path(folder, name)
-            keep = sizes.get(name, meta["n_rows"]) * np.dtype(dtype).itemsize
+            keep = int(np.prod(shape)) * np.dtype(dtype).itemsize
             with open(path, "ab") as f:
                 f.truncate(keep)
             self.files[name] = open(path, "ab")
 
-    def append(self, tokens: Sequence[int], greedy: np.ndarray, trainable: np.ndarray, features: np.ndarray) -> None:
+    def append(self, tokens: Sequence[int], trainable: np.ndarray, captured: tuple[np.ndarray, ...]) -> None:
+        """captured: what Model.layer_features returned for tokens (with top_k, if the folder keeps it)."""
         n = len(tokens)
         self.files["index"].write(np.array([self.meta["n_rows"], n], dtype=np.int64).tobytes())
         self.files["tokens"].write(np.asarray(tokens, dtype=np.int32).tobytes())
-        self.files["greedy"].write(greedy.astype(np.int32).tobytes())
         self.files["trainable"].write(trainable.astype(np.uint8).tobytes())
-        self.files["features"].write(features.astype(np.float16).tobytes())
+        for name, array in zip(("features", "greedy", *TOP_FILES), captured):
+            self.files[name].write(array.astype(FILES[name]).tobytes())
         self.meta["n_rows"] += n
         self.meta["n_sequences"] += 1
         self.meta["n_trainable"] += int(trainable.sum())
@@ -165,6 +187,9 @@ def _start_meta(folder: Path, request: dict) -> dict:
     meta_path = folder / "meta.json"
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())
+        if "top_k" not in meta and request.get("top_k"):
+            raise DataError(f"{folder}: made before data kept the target's top tokens; refresh it into a new folder "
+                            f"(python -m ikdflash.train.data refresh --target T {folder} NEW_FOLDER)")
         for key, value in request.items():
             if meta.get(key) != value:
                 raise DataError(f"{folder}: holds data made with {key}={meta.get(key)!r}, not {value!r}; "
@@ -221,7 +246,7 @@ def build(target: str | os.PathLike[str], conversations: Iterable[Conversation],
     model = Model(target, n_ctx=seq_len + answer_tokens, n_batch=512, n_threads=n_threads)
     request = {"target": os.path.basename(os.fspath(target)), "n_embd": model.n_embd, "n_vocab": model.n_vocab,
                "layer_ids": list(layer_ids), "width": len(layer_ids) * model.n_embd, "kind": kind,
-               "seq_len": seq_len, "system": system}
+               "seq_len": seq_len, "system": system, "top_k": TOP_K}
     meta = _start_meta(folder, request)
     if meta["n_rows"] >= max_rows:  # already there: leave the folder untouched (runs may share it)
         model.close()
@@ -238,8 +263,8 @@ def build(target: str | os.PathLike[str], conversations: Iterable[Conversation],
         for index, tokens, trainable in sequences:
             meta["conversations_done"] = index + 1
             if sum(trainable) >= 2:
-                features, greedy = model._native.layer_features(tokens, list(layer_ids))
-                writer.append(tokens, greedy, np.array(trainable, dtype=np.uint8), features)
+                captured = model._native.layer_features(tokens, list(layer_ids), TOP_K)
+                writer.append(tokens, np.array(trainable, dtype=np.uint8), captured)
                 writer.tick(max_rows, progress)
             if meta["n_rows"] >= max_rows:
                 break
@@ -320,8 +345,8 @@ def open_tokens(source: str | os.PathLike[str]) -> Dataset:
 
 def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], folder: str | os.PathLike[str], *,
             n_threads: int | None = None, progress: bool = True) -> Dataset:
-    """The source's sequences (a data folder, or a tokens file) with features and greedy tokens
-    computed again by this fork's target, into folder (resuming where it stopped)."""
+    """The source's sequences (a data folder, or a tokens file) with features, greedy and top
+    tokens computed again by this fork's target, into folder (resuming where it stopped)."""
     from ikdflash.model import Model
 
     old = open_tokens(source)
@@ -332,7 +357,8 @@ def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], fold
     with Model(target, n_ctx=seq_len, n_batch=512, n_threads=n_threads) as model:
         request = {"target": os.path.basename(os.fspath(target)), "n_embd": model.n_embd, "n_vocab": model.n_vocab,
                    "layer_ids": old.meta["layer_ids"], "width": old.width, "kind": old.meta["kind"],
-                   "seq_len": old.meta["seq_len"], "system": old.meta.get("system"), "refreshed_from": str(old.folder)}
+                   "seq_len": old.meta["seq_len"], "system": old.meta.get("system"), "top_k": TOP_K,
+                   "refreshed_from": str(old.folder)}
         if (model.n_embd, model.n_vocab) != (old.meta["n_embd"], old.meta["n_vocab"]):
             raise DataError(f"{old.folder}: made for a target with n_embd {old.meta['n_embd']}, vocabulary "
                             f"{old.meta['n_vocab']}; {target} has {model.n_embd}, {model.n_vocab}")
@@ -340,8 +366,8 @@ def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], fold
         try:
             for first, n in old.index[writer.meta["n_sequences"]:]:
                 tokens = old.tokens[first:first + n].tolist()
-                features, greedy = model._native.layer_features(tokens, list(old.meta["layer_ids"]))
-                writer.append(tokens, greedy, np.asarray(old.trainable[first:first + n]), features)
+                captured = model._native.layer_features(tokens, list(old.meta["layer_ids"]), TOP_K)
+                writer.append(tokens, np.asarray(old.trainable[first:first + n]), captured)
                 writer.meta["conversations_done"] = writer.meta["n_sequences"]
                 writer.tick(old.n_rows, progress)
             # a build that grows the folder goes on after the last conversation the source

@@ -12,6 +12,11 @@ approximates it, and weighs off_path_weight (0 drops it; with so few on-path pos
 text, a draft trained on those alone learns position 1 and little else). "corpus" trains on the
 text's own next tokens instead.
 
+Soft labels (soft_labels > 0) also train each position towards the target's distribution there,
+its top tokens as the data kept them (renormalised over those the head holds): the label says
+which token wins, the distribution also how close the others came, which is more to learn from
+each row when rows are what a CPU can least afford.
+
 The embedding and head stay the target's, frozen. The head may be cut to the ids the labels use
 most (head_vocab), which makes a step several times cheaper; the cut is chosen once, kept in the
 checkpoint and exported (dflash_config.head_token_ids), so the fork's draft scores exactly the ids
@@ -47,6 +52,7 @@ class TrainSettings:
     gamma: float = 4.0             # loss weight exp(-(j-1)/gamma) at block position j
     labels: str = "target"
     off_path_weight: float = 1.0   # "target" labels past the first place the text leaves the target's path
+    soft_labels: float = 0.0       # share of each position's loss on the target's top tokens (0: greedy label only)
     first_share: float | None = None  # share of anchors from the first data folder (None: by size)
     head_vocab: int = 16384        # 0: the whole vocabulary
     n_max: int = 4                 # drafted tokens the running acceptance estimate counts
@@ -66,6 +72,10 @@ class TrainSettings:
                 raise ValueError(f"{flag} must be positive, got {value:g}")
         if self.labels not in LABELS:
             raise ValueError(f"labels must be one of {', '.join(LABELS)}, got {self.labels!r}")
+        if not 0 <= self.soft_labels <= 1:
+            raise ValueError(f"--soft-labels must lie in 0..1, got {self.soft_labels:g}")
+        if self.soft_labels and self.labels != "target":
+            raise ValueError("--soft-labels trains towards the target's distribution: it needs --labels target")
         if self.first_share is not None and not 0 < self.first_share < 1:
             raise ValueError(f"--data-share must be between 0 and 1, got {self.first_share:g}")
 
@@ -86,6 +96,11 @@ class Batches:
         self.datasets, self.B, self.mask, self.s = list(datasets), block_size, mask_token, settings
         self.label_map = label_map
         self.width = self.datasets[0].width
+        self.top_k = min(d.top_k for d in self.datasets) if settings.soft_labels else 0
+        if settings.soft_labels and not self.top_k:
+            old = next(d.folder for d in self.datasets if not d.top_k)
+            raise ValueError(f"{old}: made before data kept the target's top tokens, which --soft-labels needs; "
+                             f"refresh it (python -m ikdflash.train.data refresh)")
         self.sequences = []  # (dataset, first row, length, anchor candidates)
         weights, owner = [], []
         for k, data in enumerate(self.datasets):
@@ -145,6 +160,9 @@ class Batches:
         labels = np.zeros((S, A, B - 1), dtype=np.int64)
         weight = np.zeros((S, A, B - 1), dtype=np.float32)
         on_path = np.zeros((S, A, B - 1), dtype=bool)
+        K = self.top_k
+        soft_ids = np.zeros((S, A, B - 1, K), dtype=np.int64)
+        soft_logits = np.full((S, A, B - 1, K), -np.inf, dtype=np.float32)
         for i, (data, start, length, _) in enumerate(picks):
             n_ctx = min(L, length)
             features[i, :n_ctx] = data.features[start:start + n_ctx]
@@ -154,9 +172,20 @@ class Batches:
                 if a >= 0:
                     block[i, j, 0] = tokens[a]
                     labels[i, j], weight[i, j], on_path[i, j] = self.labels(tokens, greedy, int(a))
-        return {"features": torch.from_numpy(features), "block": torch.from_numpy(block),
-                "anchors": torch.from_numpy(anchors), "labels": torch.from_numpy(labels),
-                "weight": torch.from_numpy(weight), "on_path": torch.from_numpy(on_path)}
+            if K:
+                # position j's distribution is the one after row a+j-1
+                rows = anchors[i][:, None] + np.arange(B - 1)
+                valid = (anchors[i][:, None] >= 0) & (rows < length)
+                ids = self.label_map[np.asarray(data.top_ids[start + rows[valid], :K])]
+                soft_ids[i][valid] = np.maximum(ids, 0)
+                soft_logits[i][valid] = np.where(ids >= 0, np.asarray(data.top_logits[start + rows[valid], :K]), -np.inf)
+        batch = {"features": torch.from_numpy(features), "block": torch.from_numpy(block),
+                 "anchors": torch.from_numpy(anchors), "labels": torch.from_numpy(labels),
+                 "weight": torch.from_numpy(weight), "on_path": torch.from_numpy(on_path)}
+        if K:
+            batch["soft_ids"] = torch.from_numpy(soft_ids)
+            batch["soft_probs"] = torch.softmax(torch.from_numpy(soft_logits), -1).nan_to_num(0.0)
+        return batch
 
 
 def head_subset(datasets: Sequence[Dataset], vocab: int, size: int) -> np.ndarray:
@@ -176,17 +205,23 @@ def label_rows(ids: np.ndarray, vocab: int) -> np.ndarray:
 
 
 def step_loss(model: DraftModel, batch: dict[str, torch.Tensor], head: torch.Tensor, weights: torch.Tensor,
-              n_max: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted cross-entropy over the labelled block positions, and each anchor's accepted
-    length: consecutive argmax hits on the target's path at positions 1..n_max (-1: unused anchor;
-    "corpus" labels count as the path)."""
+              n_max: int, soft_labels: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted cross-entropy over the labelled block positions (a soft_labels share of it
+    towards the batch's soft_probs over soft_ids), and each anchor's accepted length: consecutive
+    argmax hits on the target's path at positions 1..n_max (-1: unused anchor; "corpus" labels
+    count as the path)."""
     S, A = batch["anchors"].shape
     B = model.cfg.block_size
     hidden = model.hidden(batch["features"], batch["block"], batch["anchors"]).view(S, A, B, -1)[:, :, 1:]
     labelled = batch["weight"] > 0
     logits = hidden[labelled] @ head.T
     w = (weights.expand(S, A, B - 1) * batch["weight"])[labelled]
-    loss = (F.cross_entropy(logits, batch["labels"][labelled], reduction="none") * w).sum() / w.sum().clamp(min=1e-9)
+    per_position = F.cross_entropy(logits, batch["labels"][labelled], reduction="none")
+    if soft_labels:
+        log_q = F.log_softmax(logits, -1).gather(-1, batch["soft_ids"][labelled])
+        soft = -(batch["soft_probs"][labelled] * log_q).sum(-1)
+        per_position = (1 - soft_labels) * per_position + soft_labels * soft
+    loss = (per_position * w).sum() / w.sum().clamp(min=1e-9)
     with torch.no_grad():
         hit = torch.zeros(S, A, B - 1, dtype=torch.bool, device=labelled.device)
         hit[labelled] = logits.argmax(-1) == batch["labels"][labelled]
@@ -262,7 +297,7 @@ def train(model: DraftModel, datasets: Sequence[Dataset], settings: TrainSetting
         for group in optimizer.param_groups:
             group["lr"] = _lr(settings, state.step, fraction)
         batch = {name: tensor.to(device) for name, tensor in batches.sample(rng).items()}
-        loss, accepted = step_loss(model, batch, head, weights, settings.n_max)
+        loss, accepted = step_loss(model, batch, head, weights, settings.n_max, settings.soft_labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
