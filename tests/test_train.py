@@ -403,7 +403,7 @@ def test_refresh_recomputes_features_for_the_same_tokens_and_resumes(trained, ta
     assert data_main(["refresh", "--target", str(target), str(stale), str(fresh)]) == 0
     again = open_dataset(fresh)
     assert again.meta["n_sequences"] == good.meta["n_sequences"] and again.meta["refreshed_from"] == str(stale)
-    for name in ("index", "tokens", "trainable", "greedy"):
+    for name in ("index", "tokens", "trainable", "greedy", "top_ids"):
         assert np.array_equal(getattr(again, name), getattr(good, name)), name
     assert np.abs(again.features.astype(np.float32) - good.features.astype(np.float32)).max() < 1e-2
     assert data_main(["refresh", "--target", str(target), str(fresh), str(fresh)]) == 2
@@ -457,6 +457,8 @@ def test_a_retrain_starts_from_saved_answers_and_answers_only_new_prompts(target
 def test_data_build_makes_what_train_makes_and_grows_a_folder(trained, target, tmp_path, capsys):
     """`data build` with train's data arguments makes the folder the training run made (same
     sequences, same features); asked for more rows it appends to it; bad layers are refused."""
+    import shutil
+
     from ikdflash.train.data import main as data_main
     from ikdflash.train.data import open_dataset
 
@@ -470,10 +472,25 @@ def test_data_build_makes_what_train_makes_and_grows_a_folder(trained, target, t
     assert built.meta["layer_ids"] == made.meta["layer_ids"]
     for name in ("index", "tokens", "trainable", "greedy", "features"):
         assert np.array_equal(getattr(built, name), getattr(made, name)), name
+    for name in ("top_ids", "top_logits"):
+        assert built.top_k == 16 and np.array_equal(getattr(built, name), getattr(made, name)), name
+    # a folder made before rows kept top tokens still serves as it is, but does not grow
+    older = tmp_path / "older"
+    shutil.copytree(folder, older)
+    meta = json.loads((older / "meta.json").read_text())
+    del meta["top_k"]
+    (older / "meta.json").write_text(json.dumps(meta))
+    for name in ("top_ids.i32", "top_logits.f16"):
+        (older / name).unlink()
+    assert data_main([*common, "--rows", str(made.n_rows), str(older)]) == 0
+    assert open_dataset(older).top_ids is None
+    assert data_main([*common, "--rows", str(made.n_rows + 500), str(older)]) == 2
+    assert "made before data kept the target's top tokens; refresh it" in capsys.readouterr().err
     assert data_main([*common, "--rows", str(made.n_rows + 500), str(folder)]) == 0
     grown = open_dataset(folder)
     assert grown.n_rows >= made.n_rows + 500
     assert np.array_equal(grown.tokens[:made.n_rows], made.tokens)
+    assert grown.top_ids.shape == (grown.n_rows, 16)
     assert data_main([*common, "--rows", "10", str(tmp_path / "bad"), "--target-layers", "0", "99"]) == 2
     assert "--target-layers must lie in" in capsys.readouterr().err
 

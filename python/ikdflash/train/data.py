@@ -183,15 +183,18 @@ class _Writer:
             f.close()
 
 
-def _start_meta(folder: Path, request: dict) -> dict:
+def _start_meta(folder: Path, request: dict, max_rows: int) -> dict:
+    """The folder's meta.json, checked against what the request would make; a new one if none."""
     meta_path = folder / "meta.json"
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())
-        if "top_k" not in meta and request.get("top_k"):
+        # a finished folder made before rows kept top tokens still trains (greedy labels only);
+        # growing it would leave its rows half with them
+        if meta.get("top_k", 0) != request["top_k"] and meta["n_rows"] < max_rows:
             raise DataError(f"{folder}: made before data kept the target's top tokens; refresh it into a new folder "
                             f"(python -m ikdflash.train.data refresh --target T {folder} NEW_FOLDER)")
         for key, value in request.items():
-            if meta.get(key) != value:
+            if key != "top_k" and meta.get(key) != value:
                 raise DataError(f"{folder}: holds data made with {key}={meta.get(key)!r}, not {value!r}; "
                                 "use another --data folder or delete this one")
         return meta
@@ -247,7 +250,7 @@ def build(target: str | os.PathLike[str], conversations: Iterable[Conversation],
     request = {"target": os.path.basename(os.fspath(target)), "n_embd": model.n_embd, "n_vocab": model.n_vocab,
                "layer_ids": list(layer_ids), "width": len(layer_ids) * model.n_embd, "kind": kind,
                "seq_len": seq_len, "system": system, "top_k": TOP_K}
-    meta = _start_meta(folder, request)
+    meta = _start_meta(folder, request, max_rows)
     if meta["n_rows"] >= max_rows:  # already there: leave the folder untouched (runs may share it)
         model.close()
         return open_dataset(folder)
@@ -362,7 +365,7 @@ def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], fold
         if (model.n_embd, model.n_vocab) != (old.meta["n_embd"], old.meta["n_vocab"]):
             raise DataError(f"{old.folder}: made for a target with n_embd {old.meta['n_embd']}, vocabulary "
                             f"{old.meta['n_vocab']}; {target} has {model.n_embd}, {model.n_vocab}")
-        writer = _Writer(folder, _start_meta(folder, request))
+        writer = _Writer(folder, _start_meta(folder, request, old.n_rows))
         try:
             for first, n in old.index[writer.meta["n_sequences"]:]:
                 tokens = old.tokens[first:first + n].tolist()
