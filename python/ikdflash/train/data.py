@@ -146,7 +146,12 @@ class _Writer:
             self.files[name] = open(path, "ab")
 
     def append(self, tokens: Sequence[int], trainable: np.ndarray, captured: tuple[np.ndarray, ...]) -> None:
-        """captured: what Model.layer_features returned for tokens (with top_k, if the folder keeps it)."""
+        """captured: what Model.layer_features returned for tokens, with the folder's top_k."""
+        top_k = self.meta.get("top_k", 0)
+        if len(captured) != 2 + len(TOP_FILES) or captured[2].shape[1] != top_k:
+            raise DataError(f"{self.folder}: keeps {top_k or 'no'} top tokens a row, so its rows cannot grow with "
+                            f"{captured[2].shape[1] if len(captured) > 2 else 'no'}; refresh it into a new folder "
+                            f"(python -m ikdflash.train.data refresh --target T {self.folder} NEW_FOLDER)")
         n = len(tokens)
         self.files["index"].write(np.array([self.meta["n_rows"], n], dtype=np.int64).tobytes())
         self.files["tokens"].write(np.asarray(tokens, dtype=np.int32).tobytes())
@@ -183,16 +188,13 @@ class _Writer:
             f.close()
 
 
-def _start_meta(folder: Path, request: dict, max_rows: int) -> dict:
-    """The folder's meta.json, checked against what the request would make; a new one if none."""
+def _start_meta(folder: Path, request: dict) -> dict:
+    """The folder's meta.json, checked against what the request would make; a new one if none.
+    A folder that keeps other top tokens (or none: made before rows kept them) still opens, to
+    train on as it is; _Writer refuses to add rows to it."""
     meta_path = folder / "meta.json"
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())
-        # a finished folder made before rows kept top tokens still trains (greedy labels only);
-        # growing it would leave its rows half with them
-        if meta.get("top_k", 0) != request["top_k"] and meta["n_rows"] < max_rows:
-            raise DataError(f"{folder}: made before data kept the target's top tokens; refresh it into a new folder "
-                            f"(python -m ikdflash.train.data refresh --target T {folder} NEW_FOLDER)")
         for key, value in request.items():
             if key != "top_k" and meta.get(key) != value:
                 raise DataError(f"{folder}: holds data made with {key}={meta.get(key)!r}, not {value!r}; "
@@ -250,7 +252,7 @@ def build(target: str | os.PathLike[str], conversations: Iterable[Conversation],
     request = {"target": os.path.basename(os.fspath(target)), "n_embd": model.n_embd, "n_vocab": model.n_vocab,
                "layer_ids": list(layer_ids), "width": len(layer_ids) * model.n_embd, "kind": kind,
                "seq_len": seq_len, "system": system, "top_k": TOP_K}
-    meta = _start_meta(folder, request, max_rows)
+    meta = _start_meta(folder, request)
     if meta["n_rows"] >= max_rows:  # already there: leave the folder untouched (runs may share it)
         model.close()
         return open_dataset(folder)
@@ -365,7 +367,7 @@ def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], fold
         if (model.n_embd, model.n_vocab) != (old.meta["n_embd"], old.meta["n_vocab"]):
             raise DataError(f"{old.folder}: made for a target with n_embd {old.meta['n_embd']}, vocabulary "
                             f"{old.meta['n_vocab']}; {target} has {model.n_embd}, {model.n_vocab}")
-        writer = _Writer(folder, _start_meta(folder, request, old.n_rows))
+        writer = _Writer(folder, _start_meta(folder, request))
         try:
             for first, n in old.index[writer.meta["n_sequences"]:]:
                 tokens = old.tokens[first:first + n].tolist()

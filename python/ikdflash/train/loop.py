@@ -219,7 +219,8 @@ def step_loss(model: DraftModel, batch: dict[str, torch.Tensor], head: torch.Ten
     per_position = F.cross_entropy(logits, batch["labels"][labelled], reduction="none")
     if soft_labels:
         log_q = F.log_softmax(logits, -1).gather(-1, batch["soft_ids"][labelled])
-        soft = -(batch["soft_probs"][labelled] * log_q).sum(-1)
+        probs = batch["soft_probs"][labelled]
+        soft = -torch.where(probs > 0, probs * log_q, 0.0).sum(-1)  # dropped ids weigh nothing, whatever their log_q
         per_position = (1 - soft_labels) * per_position + soft_labels * soft
     loss = (per_position * w).sum() / w.sum().clamp(min=1e-9)
     with torch.no_grad():
