@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from ikdflash.convert import convert
+from ikdflash.hub import resolve
 from ikdflash.train import held_out_prompts
 from ikdflash.train.evaluate import measure_acceptance
 
@@ -21,7 +22,7 @@ from ikdflash.train.evaluate import measure_acceptance
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path)
-    parser.add_argument("--target", required=True)
+    parser.add_argument("--target", required=True, help="the target GGUF: a path, a hub reference or a packaged model")
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int)
@@ -29,6 +30,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
+    args.target = str(resolve(args.target, role="target"))
     prompts = held_out_prompts(args.target, None, args.prompts, system=args.system)
     rows = []
     print(f"{'run':<28} {'minutes':>8} {'steps':>7} {'tau':>6} {'accept':>7}  per position")
