@@ -591,10 +591,12 @@ py::tuple layer_features(Model & model, const std::vector<llama_token> & tokens,
             }
             for (int j = 0; j < m && error.empty(); ++j) {
                 const float * logits = llama_get_logits_ith(ctx, j);
-                next[i + j] = (int32_t) (std::max_element(logits, logits + n_vocab) - logits);
-                if (top_k > 0) {
+                if (top_k > 0) {  // its first is the greedy token, ties broken alike: one scan, not two
                     const size_t row = (size_t) (i + j) * top_k;
                     top_logits(logits, n_vocab, top_k, ids + row, values + row);
+                    next[i + j] = ids[row];
+                } else {
+                    next[i + j] = (int32_t) (std::max_element(logits, logits + n_vocab) - logits);
                 }
             }
         }
