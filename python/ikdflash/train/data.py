@@ -56,8 +56,6 @@ if TYPE_CHECKING:
 
 FILES = {"index": np.int64, "tokens": np.int32, "greedy": np.int32, "trainable": np.uint8, "features": np.float16,
          "top_ids": np.int32, "top_logits": np.float16}
-SUFFIXES = {"index": "i64", "tokens": "i32", "greedy": "i32", "trainable": "u8", "features": "f16", "top_ids": "i32",
-            "top_logits": "f16"}
 TOP_FILES = ("top_ids", "top_logits")  # absent from folders made before soft labels (meta top_k 0)
 KINDS = ("corpus", "generated")
 # next-token candidates kept a row: enough for the mass a small target spreads over its likeliest
@@ -97,7 +95,8 @@ class Dataset:
 
 
 def _path(folder: Path, name: str) -> Path:
-    return folder / f"{name}.{SUFFIXES[name]}"
+    dtype = np.dtype(FILES[name])
+    return folder / f"{name}.{dtype.kind}{dtype.itemsize * 8}"  # e.g. features.f16, trainable.u8
 
 
 def _files(meta: dict) -> dict[str, tuple[type, tuple[int, ...]]]:
@@ -147,10 +146,10 @@ class _Writer:
 
     def append(self, tokens: Sequence[int], trainable: np.ndarray, captured: tuple[np.ndarray, ...]) -> None:
         """captured: what Model.layer_features returned for tokens, with the folder's top_k."""
-        top_k = self.meta.get("top_k", 0)
-        if len(captured) != 2 + len(TOP_FILES) or captured[2].shape[1] != top_k:
+        top_k, kept = self.meta.get("top_k", 0), captured[2].shape[1] if len(captured) > 2 else 0
+        if kept != top_k:
             raise DataError(f"{self.folder}: keeps {top_k or 'no'} top tokens a row, so its rows cannot grow with "
-                            f"{captured[2].shape[1] if len(captured) > 2 else 'no'}; refresh it into a new folder "
+                            f"{kept or 'no'}; refresh it into a new folder "
                             f"(python -m ikdflash.train.data refresh --target T {self.folder} NEW_FOLDER)")
         n = len(tokens)
         self.files["index"].write(np.array([self.meta["n_rows"], n], dtype=np.int64).tobytes())
