@@ -423,6 +423,36 @@ def test_refresh_recomputes_features_for_the_same_tokens_and_resumes(trained, ta
     assert "neither a data folder nor a tokens file" in capsys.readouterr().err
 
 
+def test_refresh_of_some_sequences(trained, target, tmp_path, capsys):
+    """--sequences FIRST:LAST refreshes only those sequences (the same rows a whole refresh
+    gives them); a folder resumes only the part it was started with."""
+    from ikdflash.train.data import main as data_main
+    from ikdflash.train.data import open_dataset
+
+    run, _ = trained
+    good = open_dataset(run / "data")
+    n = good.meta["n_sequences"]
+    assert n >= 3
+    part = tmp_path / "part"
+    assert data_main(["refresh", "--target", str(target), "--sequences", f"1:{n - 1}", str(run / "data"), str(part)]) == 0
+    got = open_dataset(part)
+    rows = slice(int(good.index[1][0]), int(good.index[n - 1][0]))
+    assert got.meta["n_sequences"] == n - 2 and got.n_rows == rows.stop - rows.start
+    assert got.meta["refreshed_sequences"] == [1, n - 1]
+    for name in ("tokens", "trainable", "greedy", "top_ids"):
+        assert np.array_equal(getattr(got, name), getattr(good, name)[rows]), name
+    assert np.abs(got.features.astype(np.float32) - good.features[rows].astype(np.float32)).max() < 1e-2
+    assert data_main(["refresh", "--target", str(target), "--sequences", "1:", str(run / "data"), str(part)]) == 2
+    assert "refreshed_sequences" in capsys.readouterr().err
+    assert data_main(["refresh", "--target", str(target), "--sequences", f"{n}:", str(run / "data"),
+                      str(tmp_path / "none")]) == 2
+    assert "none of those --sequences asks for" in capsys.readouterr().err
+    for bad in ("x:", "1:2:3", "-1:"):
+        with pytest.raises(SystemExit):
+            data_main(["refresh", "--target", str(target), "--sequences", bad, str(run / "data"), str(tmp_path / "y")])
+        assert "--sequences" in capsys.readouterr().err
+
+
 def test_a_retrain_starts_from_saved_answers_and_answers_only_new_prompts(target, tmp_path, capsys):
     """train --answers: the answers a repository keeps as token ids (`data tokens`) start the data
     folder, their features computed again by the fork, and the folder then grows with answers to

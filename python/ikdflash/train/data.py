@@ -347,33 +347,50 @@ def open_tokens(source: str | os.PathLike[str]) -> Dataset:
                    **arrays)
 
 
+def parse_sequences(text: str) -> slice:
+    """FIRST:LAST, either end left out for the source's own (Python's slice of the sequences)."""
+    try:
+        first, last = (int(part) if part.strip() else None for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes FIRST:LAST (e.g. 2559: or 0:1000), got {text!r}") from None
+    if (first or 0) < 0 or (last is not None and last < 0):
+        raise argparse.ArgumentTypeError(f"counts from 0, got {text!r}")
+    return slice(first, last)
+
+
 def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], folder: str | os.PathLike[str], *,
-            n_threads: int | None = None, progress: bool = True) -> Dataset:
-    """The source's sequences (a data folder, or a tokens file) with features, greedy and top
-    tokens computed again by this fork's target, into folder (resuming where it stopped)."""
+            sequences: slice = slice(None), n_threads: int | None = None, progress: bool = True) -> Dataset:
+    """The source's sequences (a data folder, or a tokens file; sequences: those of them) with
+    features, greedy and top tokens computed again by this fork's target, into folder (resuming
+    where it stopped)."""
     from ikdflash.model import Model
 
     old = open_tokens(source)
     folder = Path(folder)
     if folder.resolve() == old.folder.resolve():
         raise DataError(f"{folder}: refresh writes a new folder, not the one it reads")
-    seq_len = max(int(n) for _, n in old.index)
+    chosen = old.index[sequences]
+    if len(chosen) == 0:
+        raise DataError(f"{old.folder}: holds {len(old.index)} sequences, none of those --sequences asks for")
+    seq_len = max(int(n) for _, n in chosen)
     with Model(target, n_ctx=seq_len, n_batch=512, n_threads=n_threads) as model:
         request = {"target": os.path.basename(os.fspath(target)), "n_embd": model.n_embd, "n_vocab": model.n_vocab,
                    "layer_ids": old.meta["layer_ids"], "width": old.width, "kind": old.meta["kind"],
                    "seq_len": old.meta["seq_len"], "system": old.meta.get("system"), "top_k": TOP_K,
                    "refreshed_from": str(old.folder)}
+        if sequences != slice(None):  # a folder resumes only the same part of its source
+            request["refreshed_sequences"] = [sequences.start, sequences.stop]
         if (model.n_embd, model.n_vocab) != (old.meta["n_embd"], old.meta["n_vocab"]):
             raise DataError(f"{old.folder}: made for a target with n_embd {old.meta['n_embd']}, vocabulary "
                             f"{old.meta['n_vocab']}; {target} has {model.n_embd}, {model.n_vocab}")
         writer = _Writer(folder, _start_meta(folder, request))
         try:
-            for first, n in old.index[writer.meta["n_sequences"]:]:
+            for first, n in chosen[writer.meta["n_sequences"]:]:
                 tokens = old.tokens[first:first + n].tolist()
                 captured = model._native.layer_features(tokens, list(old.meta["layer_ids"]), TOP_K)
                 writer.append(tokens, np.asarray(old.trainable[first:first + n]), captured)
                 writer.meta["conversations_done"] = writer.meta["n_sequences"]
-                writer.tick(old.n_rows, progress)
+                writer.tick(int(chosen[:, 1].sum()), progress)
             # a build that grows the folder goes on after the last conversation the source
             # looked at, answered or not
             writer.meta["conversations_done"] = max(writer.meta["conversations_done"],
@@ -416,6 +433,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     again.add_argument("--target", required=True,
                        help="the target GGUF (the one the data was made with): a path, a hub reference or a packaged model")
     again.add_argument("--threads", type=int)
+    again.add_argument("--sequences", type=parse_sequences, default=slice(None), metavar="FIRST:LAST",
+                       help="only these of the source's sequences, counted from 0 (e.g. 2559: for those "
+                            "after the first 2,559; default: all)")
     again.add_argument("source", type=Path, help="a data folder, or a tokens file")
     again.add_argument("folder", type=Path)
     keep = sub.add_parser("tokens", help="a folder's sequences without features, into one small .npz file")
@@ -432,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "build":
             dataset = _build_command(args, target)
         else:
-            dataset = refresh(target, args.source, args.folder, n_threads=args.threads)
+            dataset = refresh(target, args.source, args.folder, sequences=args.sequences, n_threads=args.threads)
     except (DataError, ValueError, FileNotFoundError) as e:  # a HubError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
