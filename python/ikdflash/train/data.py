@@ -377,9 +377,9 @@ def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], fold
         request = {"target": os.path.basename(os.fspath(target)), "n_embd": model.n_embd, "n_vocab": model.n_vocab,
                    "layer_ids": old.meta["layer_ids"], "width": old.width, "kind": old.meta["kind"],
                    "seq_len": old.meta["seq_len"], "system": old.meta.get("system"), "top_k": TOP_K,
-                   "refreshed_from": str(old.folder)}
-        if sequences != slice(None):  # a folder resumes only the same part of its source
-            request["refreshed_sequences"] = [sequences.start, sequences.stop]
+                   "refreshed_from": str(old.folder),
+                   # a folder resumes only the same part of its source (None: all of it)
+                   "refreshed_sequences": None if sequences == slice(None) else [sequences.start, sequences.stop]}
         if (model.n_embd, model.n_vocab) != (old.meta["n_embd"], old.meta["n_vocab"]):
             raise DataError(f"{old.folder}: made for a target with n_embd {old.meta['n_embd']}, vocabulary "
                             f"{old.meta['n_vocab']}; {target} has {model.n_embd}, {model.n_vocab}")
