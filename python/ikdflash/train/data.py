@@ -372,7 +372,7 @@ def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], fold
     chosen = old.index[sequences]
     if len(chosen) == 0:
         raise DataError(f"{old.folder}: holds {len(old.index)} sequences, none of those --sequences asks for")
-    seq_len = max(int(n) for _, n in chosen)
+    seq_len, chosen_rows = int(chosen[:, 1].max()), int(chosen[:, 1].sum())
     with Model(target, n_ctx=seq_len, n_batch=512, n_threads=n_threads) as model:
         request = {"target": os.path.basename(os.fspath(target)), "n_embd": model.n_embd, "n_vocab": model.n_vocab,
                    "layer_ids": old.meta["layer_ids"], "width": old.width, "kind": old.meta["kind"],
@@ -390,7 +390,7 @@ def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], fold
                 captured = model._native.layer_features(tokens, list(old.meta["layer_ids"]), TOP_K)
                 writer.append(tokens, np.asarray(old.trainable[first:first + n]), captured)
                 writer.meta["conversations_done"] = writer.meta["n_sequences"]
-                writer.tick(int(chosen[:, 1].sum()), progress)
+                writer.tick(chosen_rows, progress)
             # a build that grows the folder goes on after the last conversation the source
             # looked at, answered or not
             writer.meta["conversations_done"] = max(writer.meta["conversations_done"],
