@@ -352,6 +352,35 @@ def test_a_new_run_goes_on_from_a_trained_draft(trained, tmp_path, capsys):
     assert "nothing.gguf" in capsys.readouterr().err
 
 
+def test_a_draft_grows_a_layer_and_starts_out_computing_what_it_did(trained, target, tmp_path, capsys):
+    """--init DRAFT with more --layers than DRAFT has: its layers become the top ones and the new one
+    below passes its input through, so the fork's 3-layer export (a learning rate of ~0) gives the
+    2-layer draft's logits; a draft with more layers than --layers is refused by name."""
+    run, argv = trained
+    grown = list(argv)
+    grown[grown.index("--out") + 1] = str(tmp_path / "grown")
+    grown[grown.index("--layers") + 1] = "3"
+    grown[grown.index("--max-steps") + 1] = "1"
+    grown[grown.index("--lr") + 1] = "1e-12"
+    grown += ["--data", str(run / "data"), "--init", str(run / "draft.gguf"), "--eval-prompts", "0"]
+    assert main(grown) == 0
+    model = _core.Model(str(target), n_ctx=256)
+    small, big = (_core.Draft(model, str(folder / "draft.gguf")) for folder in (run, tmp_path / "grown"))
+    assert (small.info()["n_layer"], big.info()["n_layer"]) == (2, 3)
+    features = np.random.default_rng(4).standard_normal((24, small.info()["n_target_features"])).astype(np.float32)
+    positions = np.arange(24, dtype=np.int32)
+    small_logits, small_tokens = small.forward(features, positions, 65, 24)
+    big_logits, big_tokens = big.forward(features, positions, 65, 24)
+    assert float(np.max(np.abs(big_logits - small_logits)) / np.max(np.abs(small_logits))) <= 1e-4
+    assert big_tokens == small_tokens
+
+    shrunk = list(grown)
+    shrunk[shrunk.index("--out") + 1] = str(tmp_path / "shrunk")
+    shrunk[shrunk.index("--layers") + 1] = "1"
+    assert main(shrunk) == 2
+    assert "2 layers, more than this run's draft has (1)" in capsys.readouterr().err
+
+
 def test_answers_beside_the_corpus_with_a_cut_head_and_one_schedule(target, tmp_path):
     """--kind generated with --corpus-rows: the target's own answers (decoded side by side) and
     corpus rows in one run; the head cut to the ids the data uses most is exported, so the fork's

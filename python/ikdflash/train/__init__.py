@@ -73,8 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "the last control token that is not bos/eos/pad/unk)")
     draft.add_argument("--init", default="target", metavar="{target,random,DRAFT}",
                        help="start the draft layers from the target's top layers (default), at random, or from "
-                            "an existing draft GGUF of the same shape (a path or reference, e.g. "
-                            "ikdflash:drafts/smollm2-135m-swa-q8_0.gguf) to train it further")
+                            "an existing draft GGUF (a path or reference, e.g. "
+                            "ikdflash:drafts/smollm2-135m-swa-q8_0.gguf) to train it further; one with fewer "
+                            "--layers grows: it becomes the top layers, and the layers below start from the "
+                            "target's with their outputs zeroed, so training starts from what the draft computes")
     fit = parser.add_argument_group("training")
     fit.add_argument("--labels", choices=("target", "corpus"), default="target",
                      help="target: the target's greedy tokens (default); corpus: the text's own tokens")
@@ -224,9 +226,9 @@ def _run(args: argparse.Namespace) -> int:
     model = draft.DraftModel(cfg, embd, head)
     checkpoint = out / "checkpoint.pt"
     if not checkpoint.exists():
-        if args.init == "target":
+        if args.init != "random":
             draft.init_from_target_layers(model, top_layers, hp["arch"], hp["output_norm"])
-        elif args.init != "random":
+        if args.init not in ("target", "random"):  # a smaller draft keeps the target's layers below its own
             draft.init_from_draft(model, resolve(args.init, role="draft"))
 
     def snapshot(state: loop.TrainState) -> None:

@@ -257,9 +257,12 @@ def init_from_target_layers(model: DraftModel, target_layers: Sequence[dict[str,
 
 
 def init_from_draft(model: DraftModel, path: str | Path) -> None:
-    """Start every trainable weight from an existing dflash-draft GGUF of the same shape: to go on
-    training a shipped draft (Q8_0 is close enough to its floats) on a fork whose target states
-    changed. ValueError naming what differs when the file is not a draft of this configuration."""
+    """Start every trainable weight from an existing dflash-draft GGUF of the same configuration: to
+    go on training a shipped draft (Q8_0 is close enough to its floats) on a fork whose target
+    states changed. A draft with fewer layers grows: its layers become this model's top ones, and
+    the layers below keep their weights (e.g. the target's) with their output projections zeroed, so
+    the grown draft starts out computing exactly what the smaller one does. ValueError naming what
+    differs when the file is not a draft this model can start from."""
     from gguf.quants import dequantize
 
     from ikdflash.convert import ARCH, GLOBAL_TENSORS, LAYER_TENSORS
@@ -270,19 +273,28 @@ def init_from_draft(model: DraftModel, path: str | Path) -> None:
         raise ValueError(f"draft {path}: not a DFlash draft (architecture "
                          f"{gguf_field(reader, 'general.architecture', None)!r})")
     cfg = model.cfg
+    n_theirs = int(gguf_field(reader, f"{ARCH}.block_count"))
+    if n_theirs > cfg.n_layer:
+        raise ValueError(f"draft {path}: {n_theirs} layers, more than this run's draft has ({cfg.n_layer})")
+    n_new = cfg.n_layer - n_theirs
+    theirs_sliding = [bool(x) for x in gguf_field(reader, f"{ARCH}.attention.sliding_window_pattern", [])]
+    ours_sliding = [cfg.sliding(il) for il in range(n_new, cfg.n_layer)]
     header = {"target layer ids": ([int(x) for x in gguf_field(reader, f"{ARCH}.dflash.target_layer_ids")],
                                    list(cfg.target_layer_ids)),
               "mask token": (int(gguf_field(reader, f"{ARCH}.dflash.mask_token_id")), cfg.mask_token_id),
-              "layers": (int(gguf_field(reader, f"{ARCH}.block_count")), cfg.n_layer),
               "sliding window": (int(gguf_field(reader, f"{ARCH}.attention.sliding_window", 0)),
-                                 cfg.sliding_window if any(map(cfg.sliding, range(cfg.n_layer))) else 0)}
+                                 cfg.sliding_window if any(ours_sliding) else 0),
+              "sliding layers": (theirs_sliding or [False] * n_theirs, ours_sliding)}
     for what, (theirs, ours) in header.items():
         if theirs != ours:
-            raise ValueError(f"draft {path}: {what} {theirs}, but this run's draft has {ours}")
-    gguf_names = dict(GLOBAL_TENSORS) | {f"layers.{il}.{hf}": f"blk.{il}.{gguf_name}" for il in range(cfg.n_layer)
-                                         for hf, gguf_name in LAYER_TENSORS.items()}
+            where = f" (its top {n_theirs})" if n_new and what == "sliding layers" else ""
+            raise ValueError(f"draft {path}: {what} {theirs}, but this run's draft{where} has {ours}")
+    # their layer il is our layer il + n_new
+    gguf_names = dict(GLOBAL_TENSORS) | {f"layers.{il + n_new}.{hf}": f"blk.{il}.{gguf_name}"
+                                         for il in range(n_theirs) for hf, gguf_name in LAYER_TENSORS.items()}
     state = model.state_dict()
-    ours_by_gguf = {gguf_names[reference_name(name)]: name for name in state}
+    new_layers = tuple(f"layers.{il}." for il in range(n_new))
+    ours_by_gguf = {gguf_names[reference_name(name)]: name for name in state if not name.startswith(new_layers)}
     found = {t.name: t for t in reader.tensors}
     missing = sorted(set(ours_by_gguf) - set(found))
     if missing:
@@ -296,3 +308,6 @@ def init_from_draft(model: DraftModel, path: str | Path) -> None:
                 raise ValueError(f"draft {path}: {gguf_name} has shape {list(value.shape)}, but this run's "
                                  f"draft needs {list(state[name].shape)}")
             state[name].copy_(torch.tensor(value))
+        for layer in model.layers[:n_new]:  # a zero residual branch: the new layer passes x through
+            layer.o_proj.weight.zero_()
+            layer.down_proj.weight.zero_()
