@@ -277,14 +277,16 @@ def init_from_draft(model: DraftModel, path: str | Path) -> None:
     if n_theirs > cfg.n_layer:
         raise ValueError(f"draft {path}: {n_theirs} layers, more than this run's draft has ({cfg.n_layer})")
     n_new = cfg.n_layer - n_theirs
-    theirs_sliding = [bool(x) for x in gguf_field(reader, f"{ARCH}.attention.sliding_window_pattern", [])]
+    their_window = int(gguf_field(reader, f"{ARCH}.attention.sliding_window", 0))
+    # as the fork reads it: no window, no sliding layer; a window without a pattern slides them all
+    theirs_sliding = [their_window > 0 and bool(x) for x in
+                      gguf_field(reader, f"{ARCH}.attention.sliding_window_pattern", [True] * n_theirs)]
     ours_sliding = [cfg.sliding(il) for il in range(n_new, cfg.n_layer)]
     header = {"target layer ids": ([int(x) for x in gguf_field(reader, f"{ARCH}.dflash.target_layer_ids")],
                                    list(cfg.target_layer_ids)),
               "mask token": (int(gguf_field(reader, f"{ARCH}.dflash.mask_token_id")), cfg.mask_token_id),
-              "sliding window": (int(gguf_field(reader, f"{ARCH}.attention.sliding_window", 0)),
-                                 cfg.sliding_window if any(ours_sliding) else 0),
-              "sliding layers": (theirs_sliding or [False] * n_theirs, ours_sliding)}
+              "sliding window": (their_window, cfg.sliding_window if any(ours_sliding) else 0),
+              "sliding layers": (theirs_sliding, ours_sliding)}
     for what, (theirs, ours) in header.items():
         if theirs != ours:
             where = f" (its top {n_theirs})" if n_new and what == "sliding layers" else ""
