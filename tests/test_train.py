@@ -30,6 +30,20 @@ def write_corpus(path, n: int, seed: int = 0):
     return path
 
 
+def with_flags(argv, **values):
+    """A copy of a command line with some flags' values changed (max_steps=5 sets --max-steps 5)."""
+    changed = list(argv)
+    for name, value in values.items():
+        changed[changed.index("--" + name.replace("_", "-")) + 1] = str(value)
+    return changed
+
+
+def from_trained_draft(run, argv, out, **values):
+    """The trained run's command, one step at a learning rate of ~0 in OUT, starting from its draft."""
+    return with_flags(argv, out=out, max_steps=1, lr="1e-12", **values) + [
+        "--data", str(run / "data"), "--init", str(run / "draft.gguf"), "--eval-prompts", "0"]
+
+
 @pytest.fixture(scope="module")
 def target(tiny_model):
     return tiny_model("llama")
@@ -308,9 +322,7 @@ def test_the_reference_loads_the_checkpoint_and_the_gguf_computes_the_same(train
 
 def test_a_second_run_resumes(trained):
     run, argv = trained
-    again = list(argv)
-    again[again.index("--max-steps") + 1] = "5"
-    assert main(again + ["--eval-prompts", "0"]) == 0
+    assert main(with_flags(argv, max_steps=5) + ["--eval-prompts", "0"]) == 0
     history = json.loads((run / "report.json").read_text())["history"]
     assert history[-1][0] == 65
     stages = json.loads((run / "stages.json").read_text())
@@ -326,11 +338,7 @@ def test_a_new_run_goes_on_from_a_trained_draft(trained, tmp_path, capsys):
 
     run, argv = trained
     out = tmp_path / "again"
-    again = list(argv)
-    again[again.index("--out") + 1] = str(out)
-    again[again.index("--max-steps") + 1] = "1"
-    again[again.index("--lr") + 1] = "1e-12"
-    again += ["--data", str(run / "data"), "--init", str(run / "draft.gguf"), "--eval-prompts", "0"]
+    again = from_trained_draft(run, argv, out)
     assert main(again) == 0
     before = {t.name: np.array(t.data) for t in gguf.GGUFReader(run / "draft.gguf").tensors}
     after = {t.name: np.array(t.data) for t in gguf.GGUFReader(out / "draft.gguf").tensors}
@@ -340,15 +348,9 @@ def test_a_new_run_goes_on_from_a_trained_draft(trained, tmp_path, capsys):
     first_loss = json.loads((run / "report.json").read_text())["history"][0][2]
     assert json.loads((out / "report.json").read_text())["history"][0][2] < 0.9 * first_loss
 
-    wider = list(again)
-    wider[wider.index("--out") + 1] = str(tmp_path / "wider")
-    wider[wider.index("--window") + 1] = "16"
-    assert main(wider) == 2
+    assert main(with_flags(again, out=tmp_path / "wider", window=16)) == 2
     assert "sliding window 8, but this run's draft has 16" in capsys.readouterr().err
-    missing = list(again)
-    missing[missing.index("--out") + 1] = str(tmp_path / "missing")
-    missing[missing.index("--init") + 1] = str(tmp_path / "nothing.gguf")
-    assert main(missing) == 2
+    assert main(with_flags(again, out=tmp_path / "missing", init=tmp_path / "nothing.gguf")) == 2
     assert "nothing.gguf" in capsys.readouterr().err
 
 
@@ -357,12 +359,7 @@ def test_a_draft_grows_a_layer_and_starts_out_computing_what_it_did(trained, tar
     below passes its input through, so the fork's 3-layer export (a learning rate of ~0) gives the
     2-layer draft's logits; a draft with more layers than --layers is refused by name."""
     run, argv = trained
-    grown = list(argv)
-    grown[grown.index("--out") + 1] = str(tmp_path / "grown")
-    grown[grown.index("--layers") + 1] = "3"
-    grown[grown.index("--max-steps") + 1] = "1"
-    grown[grown.index("--lr") + 1] = "1e-12"
-    grown += ["--data", str(run / "data"), "--init", str(run / "draft.gguf"), "--eval-prompts", "0"]
+    grown = from_trained_draft(run, argv, tmp_path / "grown", layers=3)
     assert main(grown) == 0
     model = _core.Model(str(target), n_ctx=256)
     small, big = (_core.Draft(model, str(folder / "draft.gguf")) for folder in (run, tmp_path / "grown"))
@@ -374,10 +371,7 @@ def test_a_draft_grows_a_layer_and_starts_out_computing_what_it_did(trained, tar
     assert float(np.max(np.abs(big_logits - small_logits)) / np.max(np.abs(small_logits))) <= 1e-4
     assert big_tokens == small_tokens
 
-    shrunk = list(grown)
-    shrunk[shrunk.index("--out") + 1] = str(tmp_path / "shrunk")
-    shrunk[shrunk.index("--layers") + 1] = "1"
-    assert main(shrunk) == 2
+    assert main(with_flags(grown, out=tmp_path / "shrunk", layers=1)) == 2
     assert "2 layers, more than this run's draft has (1)" in capsys.readouterr().err
 
 
@@ -577,9 +571,7 @@ def test_bad_input_is_refused(trained, target, tmp_path, capsys):
     other = tmp_path / "other.gguf"
     from ikdflash.tinymodels import write_tiny_model
     write_tiny_model(other, arch="llama", n_embd=32, n_head=2, n_head_kv=1)
-    swapped = list(argv)
-    swapped[swapped.index("--target") + 1] = str(other)
-    assert main(swapped) == 2
+    assert main(with_flags(argv, target=other)) == 2
     assert "holds data made with" in capsys.readouterr().err
 
     corrupt = tmp_path / "c"
@@ -587,7 +579,5 @@ def test_bad_input_is_refused(trained, target, tmp_path, capsys):
     import shutil
     shutil.copytree(run / "data", corrupt / "data")
     (corrupt / "checkpoint.pt").write_bytes(b"not a checkpoint")
-    bad = list(argv)
-    bad[bad.index("--out") + 1] = str(corrupt)
-    assert main(bad) == 2
+    assert main(with_flags(argv, out=corrupt)) == 2
     assert "checkpoint.pt" in capsys.readouterr().err
