@@ -446,6 +446,61 @@ def test_refresh_recomputes_features_for_the_same_tokens_and_resumes(trained, ta
     assert "neither a data folder nor a tokens file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("arch,weights", [("llama", "F32"), ("qwen3", "F32"), ("llama", "Q4_1")])
+def test_the_torch_capture_is_the_forks(tiny_model, arch, weights):
+    """The target in PyTorch captures what the fork does: features within the fork's rounding of
+    activations (to 8 bits for quantized weights), the same greedy tokens and top logits; sequences
+    side by side in one padded pass give what each gives alone."""
+    from ikdflash.train.torch_target import TorchTarget
+
+    target = tiny_model(arch, weight_type=weights)
+    rng = np.random.default_rng(3)
+    sequences = [rng.integers(0, 200, 37).tolist(), rng.integers(0, 200, 12).tolist()]
+    model = _core.Model(str(target), n_ctx=256, n_batch=256)
+    fork = [model.layer_features(s, [0, 2], top_k=8) for s in sequences]
+    model.close()
+    with TorchTarget(target, "cpu") as ours:
+        both = ours.capture(sequences, [0, 2], 8)
+        alone = [ours.capture([s], [0, 2], 8)[0] for s in sequences]
+        assert len(ours.capture(sequences, [1], 0)[0]) == 2  # features and greedy only
+        with pytest.raises(ValueError, match="layer ids must lie in 0..3"):
+            ours.capture(sequences, [4], 8)
+    tolerance = 2e-3 if weights == "F32" else 5e-2
+    for (f_feat, f_greedy, f_ids, f_logits), got, single in zip(fork, both, alone):
+        feat, greedy, ids, logits = got
+        assert feat.shape == f_feat.shape and ids.shape == logits.shape == f_ids.shape
+        assert np.abs(feat - f_feat).max() <= tolerance * np.abs(f_feat).max()
+        assert (greedy == f_greedy).mean() >= (1.0 if weights == "F32" else 0.9)
+        assert (logits[:, 0] == 0).all() and (np.diff(logits, axis=1) <= 0).all()
+        np.testing.assert_allclose(logits, f_logits, atol=20 * tolerance)  # the same falling logits
+        for a, b in zip(got, single):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_refresh_with_the_torch_capture_trains_the_same_draft(trained, target, tmp_path, tiny_model, capsys):
+    """data refresh --capture torch makes the folder the fork's refresh makes (same tokens, labels,
+    features within rounding), and a run trains on it; a target PyTorch does not run is refused."""
+    from ikdflash.train.data import main as data_main
+    from ikdflash.train.data import open_dataset
+
+    run, argv = trained
+    good = open_dataset(run / "data")
+    ours = tmp_path / "torch"
+    assert data_main(["refresh", "--target", str(target), "--capture", "torch", str(run / "data"), str(ours)]) == 0
+    got = open_dataset(ours)
+    for name in ("index", "tokens", "trainable"):
+        assert np.array_equal(getattr(got, name), getattr(good, name)), name
+    assert (np.asarray(got.greedy) == np.asarray(good.greedy)).mean() >= 0.99
+    assert np.abs(got.features.astype(np.float32) - good.features.astype(np.float32)).max() < 1e-2
+    step = with_flags(from_trained_draft(run, argv, tmp_path / "on-torch"), data=ours)
+    assert main(step) == 0
+    capsys.readouterr()
+    hybrid = tiny_model("qwen35moe")
+    assert data_main(["refresh", "--target", str(hybrid), "--capture", "torch", str(run / "data"),
+                      str(tmp_path / "no")]) == 2
+    assert "a qwen35moe target; the PyTorch capture runs llama and qwen3 targets" in capsys.readouterr().err
+
+
 def test_refresh_of_some_sequences(trained, target, tmp_path, capsys):
     """--sequences FIRST:LAST refreshes only those sequences (the same rows a whole refresh
     gives them); a folder resumes only the part it was started with."""

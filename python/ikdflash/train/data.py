@@ -358,13 +358,61 @@ def parse_sequences(text: str) -> slice:
     return slice(first, last)
 
 
-def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], folder: str | os.PathLike[str], *,
-            sequences: slice = slice(None), n_threads: int | None = None, progress: bool = True) -> Dataset:
-    """The source's sequences (a data folder, or a tokens file; sequences: those of them) with
-    features, greedy and top tokens computed again by this fork's target, into folder (resuming
-    where it stopped)."""
-    from ikdflash.model import Model
+CAPTURES = ("fork", "torch")
 
+
+class _ForkCapture:
+    """The fork's own target pass (what the speculative loop captures), one sequence a call."""
+
+    tokens_per_call = 0  # no batching: one sequence a call whatever its length
+
+    def __init__(self, target: str | os.PathLike[str], n_ctx: int, n_threads: int | None) -> None:
+        from ikdflash.model import Model
+
+        self.model = Model(target, n_ctx=n_ctx, n_batch=512, n_threads=n_threads)
+        self.n_embd, self.n_vocab = self.model.n_embd, self.model.n_vocab
+
+    def capture(self, sequences: Sequence[Sequence[int]], layer_ids: Sequence[int],
+                top_k: int) -> list[tuple[np.ndarray, ...]]:
+        return [self.model._native.layer_features(list(s), list(layer_ids), top_k) for s in sequences]
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def _capturer(capture: str, target: str | os.PathLike[str], n_ctx: int, n_threads: int | None):
+    if capture == "fork":
+        return _ForkCapture(target, n_ctx, n_threads)
+    if capture == "torch":
+        import torch
+
+        from ikdflash.train.torch_target import TorchTarget
+
+        if n_threads:
+            torch.set_num_threads(n_threads)
+        return TorchTarget(target)
+    raise ValueError(f"capture must be one of {', '.join(CAPTURES)}, got {capture!r}")
+
+
+def _groups(spans: np.ndarray, tokens_per_call: int) -> Iterable[np.ndarray]:
+    """Consecutive (first row, length) spans, as many a call as fit tokens_per_call padded tokens."""
+    start = 0
+    while start < len(spans):
+        end = start + 1
+        while (end < len(spans) and tokens_per_call
+               and (end + 1 - start) * int(spans[start:end + 1, 1].max()) <= tokens_per_call):
+            end += 1
+        yield spans[start:end]
+        start = end
+
+
+def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], folder: str | os.PathLike[str], *,
+            sequences: slice = slice(None), n_threads: int | None = None, progress: bool = True,
+            capture: str = "fork") -> Dataset:
+    """The source's sequences (a data folder, or a tokens file; sequences: those of them) with
+    features, greedy and top tokens computed again by the target, into folder (resuming where it
+    stopped). capture: "fork" (this fork's own pass, what speculation reads) or "torch" (the same
+    weights in PyTorch, many sequences a pass, on a GPU when there is one)."""
     old = open_tokens(source)
     folder = Path(folder)
     if folder.resolve() == old.folder.resolve():
@@ -373,22 +421,24 @@ def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], fold
     if len(chosen) == 0:
         raise DataError(f"{old.folder}: holds {len(old.index)} sequences, none of those --sequences asks for")
     seq_len, chosen_rows = int(chosen[:, 1].max()), int(chosen[:, 1].sum())
-    with Model(target, n_ctx=seq_len, n_batch=512, n_threads=n_threads) as model:
-        request = {"target": os.path.basename(os.fspath(target)), "n_embd": model.n_embd, "n_vocab": model.n_vocab,
-                   "layer_ids": old.meta["layer_ids"], "width": old.width, "kind": old.meta["kind"],
-                   "seq_len": old.meta["seq_len"], "system": old.meta.get("system"), "top_k": TOP_K,
-                   "refreshed_from": str(old.folder),
+    capturer = _capturer(capture, target, seq_len, n_threads)
+    try:
+        request = {"target": os.path.basename(os.fspath(target)), "n_embd": capturer.n_embd,
+                   "n_vocab": capturer.n_vocab, "layer_ids": old.meta["layer_ids"], "width": old.width,
+                   "kind": old.meta["kind"], "seq_len": old.meta["seq_len"], "system": old.meta.get("system"),
+                   "top_k": TOP_K, "refreshed_from": str(old.folder),
                    # a folder resumes only the same part of its source (None: all of it)
                    "refreshed_sequences": None if sequences == slice(None) else [sequences.start, sequences.stop]}
-        if (model.n_embd, model.n_vocab) != (old.meta["n_embd"], old.meta["n_vocab"]):
+        if (capturer.n_embd, capturer.n_vocab) != (old.meta["n_embd"], old.meta["n_vocab"]):
             raise DataError(f"{old.folder}: made for a target with n_embd {old.meta['n_embd']}, vocabulary "
-                            f"{old.meta['n_vocab']}; {target} has {model.n_embd}, {model.n_vocab}")
+                            f"{old.meta['n_vocab']}; {target} has {capturer.n_embd}, {capturer.n_vocab}")
         writer = _Writer(folder, _start_meta(folder, request))
         try:
-            for first, n in chosen[writer.meta["n_sequences"]:]:
-                tokens = old.tokens[first:first + n].tolist()
-                captured = model._native.layer_features(tokens, list(old.meta["layer_ids"]), TOP_K)
-                writer.append(tokens, np.asarray(old.trainable[first:first + n]), captured)
+            for group in _groups(chosen[writer.meta["n_sequences"]:], capturer.tokens_per_call):
+                tokens = [old.tokens[first:first + n].tolist() for first, n in group]
+                for (first, n), seq, captured in zip(group, tokens,
+                                                     capturer.capture(tokens, old.meta["layer_ids"], TOP_K)):
+                    writer.append(seq, np.asarray(old.trainable[first:first + n]), captured)
                 writer.meta["conversations_done"] = writer.meta["n_sequences"]
                 writer.tick(chosen_rows, progress)
             # a build that grows the folder goes on after the last conversation the source
@@ -397,6 +447,8 @@ def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], fold
                                                     int(old.meta.get("conversations_done", 0)))
         finally:
             writer.close()
+    finally:
+        capturer.close()
     return open_dataset(folder)
 
 
@@ -433,6 +485,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     again.add_argument("--target", required=True,
                        help="the target GGUF (the one the data was made with): a path, a hub reference or a packaged model")
     again.add_argument("--threads", type=int)
+    again.add_argument("--capture", choices=CAPTURES, default="fork",
+                       help="fork: this fork's own target pass (default); torch: the same weights in PyTorch, "
+                            "many sequences a pass, on a GPU when torch has one (llama and qwen3 targets)")
     again.add_argument("--sequences", type=parse_sequences, default=slice(None), metavar="FIRST:LAST",
                        help="only these of the source's sequences, counted from 0 (e.g. 2559: for those "
                             "after the first 2,559; default: all)")
@@ -452,7 +507,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "build":
             dataset = _build_command(args, target)
         else:
-            dataset = refresh(target, args.source, args.folder, sequences=args.sequences, n_threads=args.threads)
+            dataset = refresh(target, args.source, args.folder, sequences=args.sequences, n_threads=args.threads,
+                              capture=args.capture)
     except (DataError, ValueError, FileNotFoundError) as e:  # a HubError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
