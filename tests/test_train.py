@@ -501,6 +501,29 @@ def test_refresh_with_the_torch_capture_trains_the_same_draft(trained, target, t
     assert "a qwen35moe target; the PyTorch capture runs llama and qwen3 targets" in capsys.readouterr().err
 
 
+def test_a_machine_without_the_fork_built_captures_and_trains(trained, tmp_path):
+    """What a lent GPU machine runs before any build: the capture in PyTorch, then a training run
+    (python -m ikdflash.train, no held-out measure), with the compiled fork unimportable."""
+    import subprocess
+    import sys
+
+    run, argv = trained
+    blocked = ("import runpy, sys; sys.modules['ikdflash._core'] = None; module = sys.argv.pop(1); "
+               "runpy.run_module(module, run_name='__main__', alter_sys=True)")
+    captured = tmp_path / "captured"
+    target = argv[argv.index("--target") + 1]
+    steps = [["ikdflash.train.data", "refresh", "--target", target, "--capture", "torch", str(run / "data"),
+              str(captured)],
+             ["ikdflash.train", *with_flags(from_trained_draft(run, argv, tmp_path / "run"), data=captured)[1:]]]
+    for step in steps:
+        done = subprocess.run([sys.executable, "-c", blocked, *step], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "run" / "draft.gguf").stat().st_size > 0
+    # the block is real: the command line tool itself needs the fork
+    done = subprocess.run([sys.executable, "-c", blocked, "ikdflash.cli", "--version"], capture_output=True, text=True)
+    assert done.returncode != 0 and "ikdflash._core" in done.stderr
+
+
 def test_refresh_of_some_sequences(trained, target, tmp_path, capsys):
     """--sequences FIRST:LAST refreshes only those sequences (the same rows a whole refresh
     gives them); a folder resumes only the part it was started with."""

@@ -5,11 +5,31 @@
         print(model.generate("The capital of France is", max_tokens=16).text)
 """
 
-from ikdflash._core import __version__, build_info
-from ikdflash.model import Generation, Model
-from ikdflash.engine import Engine, Sampling, SpeculationResult, SpeculationStats, TokenLogprobs
-from ikdflash.client import Completion, complete
-from ikdflash.server import Server, ServerError
+from __future__ import annotations
 
-__all__ = ["Completion", "Engine", "Generation", "Model", "Sampling", "Server", "ServerError", "SpeculationResult",
-           "SpeculationStats", "TokenLogprobs", "__version__", "build_info", "complete"]
+import importlib
+from typing import Any
+
+# Each name loads its module on first use, so that the pure-Python tools (convert, the training
+# data and loop) import where the compiled fork is not built, e.g. on a lent GPU machine.
+_EXPORTS = {
+    "__version__": "ikdflash._core", "build_info": "ikdflash._core",
+    "Generation": "ikdflash.model", "Model": "ikdflash.model",
+    "Engine": "ikdflash.engine", "Sampling": "ikdflash.engine", "SpeculationResult": "ikdflash.engine",
+    "SpeculationStats": "ikdflash.engine", "TokenLogprobs": "ikdflash.engine",
+    "Completion": "ikdflash.client", "complete": "ikdflash.client",
+    "Server": "ikdflash.server", "ServerError": "ikdflash.server",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ikdflash' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

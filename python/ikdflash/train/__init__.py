@@ -121,6 +121,17 @@ def default_mask_token(target: str | os.PathLike[str]) -> int:
     return control[-1]
 
 
+def target_shape(target: str | os.PathLike[str]) -> tuple[int, int, int]:
+    """(layers, hidden size, vocabulary) from the GGUF's header, as the fork reads them: a step
+    that has its data needs no target loaded."""
+    from ikdflash.pair import gguf_field, open_gguf
+
+    reader = open_gguf(target, "target")
+    arch = gguf_field(reader, "general.architecture")
+    return (int(gguf_field(reader, f"{arch}.block_count")), int(gguf_field(reader, f"{arch}.embedding_length")),
+            len(gguf_field(reader, "tokenizer.ggml.tokens")))
+
+
 def target_weights(target: str | os.PathLike[str], layer_ids: list[int]) -> tuple[Any, Any, list[dict], dict]:
     """Embedding, head (output.weight, or the tied embedding) and the named layers, dequantized."""
     import numpy as np
@@ -172,8 +183,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ImportError("ikdflash train needs torch: python -m pip install 'ikdflash[train]'") from None
     from ikdflash.convert import convert
     from ikdflash.hub import resolve
-    from ikdflash.model import Model
-    from ikdflash.train import corpus, data, draft, evaluate, loop
+    from ikdflash.train import corpus, data, draft, loop
 
     # checked before anything is made
     settings = loop.TrainSettings(minutes=args.minutes, seed=args.seed, lr=args.lr, labels=args.labels,
@@ -184,8 +194,7 @@ def _run(args: argparse.Namespace) -> int:
     args.target = str(resolve(args.target, role="target"))
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    with Model(args.target, n_ctx=64) as target:
-        n_target_layers, n_embd, n_vocab = target.n_layer, target.n_embd, target.n_vocab
+    n_target_layers, n_embd, n_vocab = target_shape(args.target)
     layer_ids = args.target_layers or data.default_layer_ids(n_target_layers)
     mask = args.mask_token if args.mask_token is not None else default_mask_token(args.target)
     top = list(range(n_target_layers - args.layers, n_target_layers))  # the draft's layers start as these
@@ -261,6 +270,8 @@ def _run(args: argparse.Namespace) -> int:
                               "config": cfg.hf_config(), "history": state.history,
                               "draft_bytes": gguf_path.stat().st_size, "wall_seconds": round(time.time() - started)}
     if args.eval_prompts > 0:
+        from ikdflash.train import evaluate  # the fork's own loop: the only step that needs it built
+
         prompts = held_out_prompts(args.target, args.corpus, args.eval_prompts, system=args.system)
         result = evaluate.measure_acceptance(args.target, gguf_path, prompts, max_tokens=args.eval_tokens,
                                              n_threads=args.threads)

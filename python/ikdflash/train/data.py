@@ -1,7 +1,8 @@
 """Training data for a draft: token sequences, the target's features and its greedy next tokens.
 
 Every row comes from the fork itself (`_core.Model.layer_features`, the capture the speculative loop
-uses), so the draft learns the features it will be given. Two kinds of sequence:
+uses), so the draft learns the features it will be given, or from the same weights in PyTorch
+(`refresh --capture torch`, within the fork's rounding). Two kinds of sequence:
 
   corpus     a whole conversation rendered with the target's chat template; one target pass
              (prefill speed) gives every position's features and the target's greedy next token,
@@ -27,12 +28,15 @@ that data of several kinds can be made once and shared by runs (`--data`, `--ext
 A fix in the fork that changes the target's states makes old features wrong but leaves their
 tokens good; `refresh` runs the target over them again into a new folder (prefill speed, even
 for generated answers). The tokens alone fit in a small file (`tokens`), which a repository can
-keep when the data folder cannot, and `refresh` rebuilds a folder from it:
+keep when the data folder cannot, and `refresh` rebuilds a folder from it. `refresh --capture
+torch` runs the same weights in PyTorch instead (`torch_target`), many sequences a pass: on a GPU,
+where the fork need not even be built, the saved answers take seconds.
 
     python -m ikdflash.train.data build --target T.gguf --kind generated --rows 200000 FOLDER
     python -m ikdflash.train.data refresh --target T.gguf OLD_FOLDER NEW_FOLDER
     python -m ikdflash.train.data tokens FOLDER answers.npz
     python -m ikdflash.train.data refresh --target T.gguf answers.npz NEW_FOLDER
+    python -m ikdflash.train.data refresh --target T.gguf --capture torch answers.npz NEW_FOLDER
 """
 
 from __future__ import annotations
@@ -239,7 +243,7 @@ def build(target: str | os.PathLike[str], conversations: Iterable[Conversation],
           seed: int = 0, system: str | None = None, n_parallel: int = N_PARALLEL, progress: bool = True) -> Dataset:
     """Add sequences to the data folder until it holds max_rows rows (resuming where it stopped).
     system: a system message put first in every conversation (None: the template's default)."""
-    from ikdflash.model import Model
+    from ikdflash.train import target_shape
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -247,14 +251,16 @@ def build(target: str | os.PathLike[str], conversations: Iterable[Conversation],
         raise ValueError("max_rows must be >= 1 and seq_len >= 16")
     folder = Path(folder)
     template = chat_template(target)
-    model = Model(target, n_ctx=seq_len + answer_tokens, n_batch=512, n_threads=n_threads)
-    request = {"target": os.path.basename(os.fspath(target)), "n_embd": model.n_embd, "n_vocab": model.n_vocab,
-               "layer_ids": list(layer_ids), "width": len(layer_ids) * model.n_embd, "kind": kind,
+    _, n_embd, n_vocab = target_shape(target)
+    request = {"target": os.path.basename(os.fspath(target)), "n_embd": n_embd, "n_vocab": n_vocab,
+               "layer_ids": list(layer_ids), "width": len(layer_ids) * n_embd, "kind": kind,
                "seq_len": seq_len, "system": system, "top_k": TOP_K}
     meta = _start_meta(folder, request)
-    if meta["n_rows"] >= max_rows:  # already there: leave the folder untouched (runs may share it)
-        model.close()
+    if meta["n_rows"] >= max_rows:  # already there: leave the folder untouched (runs may share it), no target pass
         return open_dataset(folder)
+    from ikdflash.model import Model
+
+    model = Model(target, n_ctx=seq_len + answer_tokens, n_batch=512, n_threads=n_threads)
     writer = _Writer(folder, meta)
     preamble = [("system", system)] if system else []
     todo = ((i, c) for i, c in enumerate(conversations) if i >= meta["conversations_done"])
@@ -453,11 +459,10 @@ def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], fold
 
 
 def _build_command(args: argparse.Namespace, target: str) -> Dataset:
-    from ikdflash.model import Model
+    from ikdflash.train import target_shape
     from ikdflash.train.corpus import training_conversations
 
-    with Model(target, n_ctx=64) as model:
-        n_layer = model.n_layer
+    n_layer, _, _ = target_shape(target)
     layer_ids = args.target_layers or default_layer_ids(n_layer)
     if any(not 0 <= i < n_layer for i in layer_ids):
         raise ValueError(f"--target-layers must lie in 0..{n_layer - 1} for this target, got {layer_ids}")
