@@ -91,6 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fit.add_argument("--head-vocab", type=int, default=DEFAULTS["head_vocab"],
                      help="train the head's softmax over the N most used ids (0: all; default 16384)")
     fit.add_argument("--lr", type=float, default=6e-4)
+    fit.add_argument("--batch-sequences", type=int, default=4,
+                     help="sequences a step (48 anchors each; default 4: a CPU's size; a GPU wants more)")
     fit.add_argument("--max-steps", type=int, help="stop after this many steps (tests)")
     fit.add_argument("--snapshot-minutes", type=float, default=0.0,
                      help="keep the draft every N minutes of training under OUT/snapshots (learning curves)")
@@ -190,6 +192,7 @@ def _run(args: argparse.Namespace) -> int:
                                   off_path_weight=args.off_path_weight, first_share=args.data_share, gamma=args.gamma,
                                   soft_labels=args.soft_labels,
                                   head_vocab=args.head_vocab, max_steps=args.max_steps, n_threads=args.threads,
+                                  sequences_per_step=args.batch_sequences,
                                   snapshot_minutes=args.snapshot_minutes, total_minutes=args.total_minutes)
     args.target = str(resolve(args.target, role="target"))
     out: Path = args.out

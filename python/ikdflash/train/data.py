@@ -484,7 +484,8 @@ def save_prompts(target: str | os.PathLike[str], conversations: Iterable[Convers
     lengths = np.array([len(t) for t in sequences], dtype=np.int64)
     index = np.stack([np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths], axis=1)
     meta = {"target": os.path.basename(os.fspath(target)), "n_vocab": n_vocab, "kind": "prompts", "system": system,
-            "n_rows": int(lengths.sum()), "n_sequences": len(sequences), "conversations_first": first,
+            "prompt_len": prompt_len, "n_rows": int(lengths.sum()), "n_sequences": len(sequences),
+            "conversations_first": first,
             "conversations_done": done}
     path = Path(path)
     np.savez_compressed(path, meta=np.array(json.dumps(meta)), index=index,
@@ -506,13 +507,14 @@ def answer(target: str | os.PathLike[str], prompts: str | os.PathLike[str], fold
     if source.meta.get("kind") != "prompts":
         raise DataError(f"{prompts}: not a prompts file (python -m ikdflash.train.data prompts makes one)")
     folder = Path(folder)
-    started = time.monotonic()
     with TorchTarget(target) as model:
+        started = time.monotonic()  # the budget is answering's, not loading's
         if source.meta["n_vocab"] != model.n_vocab:
             raise DataError(f"{prompts}: made for a vocabulary of {source.meta['n_vocab']}, not {model.n_vocab}")
         request = {"target": os.path.basename(os.fspath(target)), "n_embd": model.n_embd, "n_vocab": model.n_vocab,
                    "layer_ids": list(layer_ids), "width": len(layer_ids) * model.n_embd, "kind": "generated",
-                   "seq_len": int(source.index[:, 1].max()) + answer_tokens, "system": source.meta.get("system"),
+                   # what `build` calls seq_len for the same prompts and answers (a run's --seq-len)
+                   "seq_len": source.meta["prompt_len"] + answer_tokens, "system": source.meta.get("system"),
                    "top_k": TOP_K, "answered_from": str(source.folder)}
         writer = _Writer(folder, _start_meta(folder, request))
         try:

@@ -67,7 +67,7 @@ class TrainSettings:
 
     def __post_init__(self) -> None:
         for flag, value in (("--minutes", self.minutes), ("--total-minutes", self.total_minutes),
-                            ("--gamma", self.gamma)):
+                            ("--gamma", self.gamma), ("--batch-sequences", self.sequences_per_step)):
             if value is not None and value <= 0:
                 raise ValueError(f"{flag} must be positive, got {value:g}")
         if self.labels not in LABELS:
