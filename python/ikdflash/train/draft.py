@@ -184,7 +184,7 @@ class DraftModel(nn.Module):
         """Final normed hidden states of every block row: [S, A*B, d]."""
         S, A = anchors.shape
         B = self.cfg.block_size
-        ctx = self.hidden_norm(self.fc(features))
+        ctx = self.hidden_norm(self.fc(features.float()))
         block_pos = (anchors.clamp(min=0)[:, :, None] + torch.arange(B, device=anchors.device)).reshape(S, A * B)
         x = F.embedding(block_tokens.reshape(S, A * B), self.embedding)
         for layer in self.layers:

@@ -155,7 +155,7 @@ class Batches:
             chosen = rng.choice(candidates, size=min(A, len(candidates)), replace=False)
             anchors[i, :len(chosen)] = np.sort(chosen)
         L = int(anchors.max())  # context rows needed: those before the furthest anchor
-        features = np.zeros((S, L, self.width), dtype=np.float32)
+        features = np.zeros((S, L, self.width), dtype=np.float16)  # as stored: half the bytes to copy and move
         block = np.full((S, A, B), self.mask, dtype=np.int64)
         labels = np.zeros((S, A, B - 1), dtype=np.int64)
         weight = np.zeros((S, A, B - 1), dtype=np.float32)
