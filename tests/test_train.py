@@ -375,6 +375,46 @@ def test_a_draft_grows_a_layer_and_starts_out_computing_what_it_did(trained, tar
     assert "2 layers, more than this run's draft has (1)" in capsys.readouterr().err
 
 
+def test_a_draft_starts_a_run_that_reads_more_target_layers(trained, target, tmp_path, capsys):
+    """data refresh --target-layers captures other layers for the same tokens; --init DRAFT with
+    --target-layers naming more layers than DRAFT reads: the new layers' features start with weight
+    0, so the fork's export (a learning rate of ~0) gives DRAFT's logits whatever those features
+    are; a draft reading a layer the run does not is refused by name."""
+    from ikdflash.train.data import main as data_main
+    from ikdflash.train.data import open_dataset
+
+    run, argv = trained
+    theirs = open_dataset(run / "data").meta["layer_ids"]
+    ours = sorted(set(theirs) | {0, 2})
+    more = tmp_path / "more-layers"
+    assert data_main(["refresh", "--target", str(target), str(run / "data"), str(more),
+                      "--target-layers", *map(str, ours)]) == 0
+    assert open_dataset(more).meta["layer_ids"] == ours
+    wider = with_flags(from_trained_draft(run, argv, tmp_path / "wider"), data=more) + [
+        "--target-layers", ",".join(map(str, ours))]
+    assert main(wider) == 0
+    model = _core.Model(str(target), n_ctx=256)
+    small, big = (_core.Draft(model, str(folder / "draft.gguf")) for folder in (run, tmp_path / "wider"))
+    rng = np.random.default_rng(5)
+    n = model.n_embd
+    assert big.info()["n_target_features"] == len(ours) * n
+    features = rng.standard_normal((24, len(ours) * n)).astype(np.float32)
+    theirs_only = np.concatenate([features[:, ours.index(il) * n:(ours.index(il) + 1) * n] for il in theirs], axis=1)
+    positions = np.arange(24, dtype=np.int32)
+    small_logits, small_tokens = small.forward(theirs_only, positions, 65, 24)
+    big_logits, big_tokens = big.forward(features, positions, 65, 24)
+    assert float(np.max(np.abs(big_logits - small_logits)) / np.max(np.abs(small_logits))) <= 1e-4
+    assert big_tokens == small_tokens
+
+    assert theirs == [1]  # the tiny run's default
+    other = tmp_path / "other-layers"
+    assert data_main(["refresh", "--target", str(target), str(run / "data"), str(other), "--target-layers", "0", "2"]) == 0
+    capsys.readouterr()
+    narrow = with_flags(from_trained_draft(run, argv, tmp_path / "narrow"), data=other) + ["--target-layers", "0,2"]
+    assert main(narrow) == 2
+    assert "target layer ids [1], but this run's draft has [0, 2]" in capsys.readouterr().err
+
+
 def test_answers_beside_the_corpus_with_a_cut_head_and_one_schedule(target, tmp_path):
     """--kind generated with --corpus-rows: the target's own answers (decoded side by side) and
     corpus rows in one run; the head cut to the ids the data uses most is exported, so the fork's

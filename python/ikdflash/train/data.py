@@ -414,12 +414,14 @@ def _groups(spans: np.ndarray, tokens_per_call: int) -> Iterable[np.ndarray]:
 
 def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], folder: str | os.PathLike[str], *,
             sequences: slice = slice(None), n_threads: int | None = None, progress: bool = True,
-            capture: str = "fork") -> Dataset:
+            capture: str = "fork", layer_ids: Sequence[int] | None = None) -> Dataset:
     """The source's sequences (a data folder, or a tokens file; sequences: those of them) with
     features, greedy and top tokens computed again by the target, into folder (resuming where it
     stopped). capture: "fork" (this fork's own pass, what speculation reads) or "torch" (the same
-    weights in PyTorch, many sequences a pass, on a GPU when there is one)."""
+    weights in PyTorch, many sequences a pass, on a GPU when there is one). layer_ids: capture
+    these target layers instead of the source's (features for a draft that reads others)."""
     old = open_tokens(source)
+    layer_ids = list(layer_ids or old.meta["layer_ids"])
     folder = Path(folder)
     if folder.resolve() == old.folder.resolve():
         raise DataError(f"{folder}: refresh writes a new folder, not the one it reads")
@@ -430,7 +432,7 @@ def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], fold
     capturer = _capturer(capture, target, seq_len, n_threads)
     try:
         request = {"target": os.path.basename(os.fspath(target)), "n_embd": capturer.n_embd,
-                   "n_vocab": capturer.n_vocab, "layer_ids": old.meta["layer_ids"], "width": old.width,
+                   "n_vocab": capturer.n_vocab, "layer_ids": layer_ids, "width": len(layer_ids) * capturer.n_embd,
                    "kind": old.meta["kind"], "seq_len": old.meta["seq_len"], "system": old.meta.get("system"),
                    "top_k": TOP_K, "refreshed_from": str(old.folder),
                    # a folder resumes only the same part of its source (None: all of it)
@@ -443,7 +445,7 @@ def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], fold
             for group in _groups(chosen[writer.meta["n_sequences"]:], capturer.tokens_per_call):
                 tokens = [old.tokens[first:first + n].tolist() for first, n in group]
                 for (first, n), seq, captured in zip(group, tokens,
-                                                     capturer.capture(tokens, old.meta["layer_ids"], TOP_K)):
+                                                     capturer.capture(tokens, layer_ids, TOP_K)):
                     writer.append(seq, np.asarray(old.trainable[first:first + n]), captured)
                 writer.meta["conversations_done"] = writer.meta["n_sequences"]
                 writer.tick(chosen_rows, progress)
@@ -575,6 +577,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     again.add_argument("--capture", choices=CAPTURES, default="fork",
                        help="fork: this fork's own target pass (default); torch: the same weights in PyTorch, "
                             "many sequences a pass, on a GPU when torch has one (llama and qwen3 targets)")
+    again.add_argument("--target-layers", type=int, nargs="+",
+                       help="capture these target layers instead of the source's (default: the source's)")
     again.add_argument("--sequences", type=parse_sequences, default=slice(None), metavar="FIRST:LAST",
                        help="only these of the source's sequences, counted from 0 (e.g. 2559: for those "
                             "after the first 2,559; default: all)")
@@ -627,7 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              minutes=args.minutes, answer_tokens=args.answer_tokens, seed=args.seed)
         else:
             dataset = refresh(target, args.source, args.folder, sequences=args.sequences, n_threads=args.threads,
-                              capture=args.capture)
+                              capture=args.capture, layer_ids=args.target_layers)
     except (DataError, ValueError, FileNotFoundError) as e:  # a HubError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -256,13 +256,25 @@ def init_from_target_layers(model: DraftModel, target_layers: Sequence[dict[str,
                 getattr(layer, name).weight.copy_(torch.tensor(np.asarray(value, dtype=np.float32)))
 
 
+def _spread_columns(fc: np.ndarray, their_ids: list[int], our_ids: list[int]) -> np.ndarray:
+    """fc's input columns, one block per target layer in their_ids, moved to where our_ids keeps
+    those layers; the other layers' blocks zero."""
+    d = fc.shape[1] // len(their_ids)
+    spread = np.zeros((fc.shape[0], d * len(our_ids)), dtype=fc.dtype)
+    for k, il in enumerate(their_ids):
+        j = our_ids.index(il)
+        spread[:, j * d:(j + 1) * d] = fc[:, k * d:(k + 1) * d]
+    return spread
+
+
 def init_from_draft(model: DraftModel, path: str | Path) -> None:
     """Start every trainable weight from an existing dflash-draft GGUF of the same configuration: to
     go on training a shipped draft (Q8_0 is close enough to its floats) on a fork whose target
     states changed. A draft with fewer layers grows: its layers become this model's top ones, and
     the layers below keep their weights (e.g. the target's) with their output projections zeroed, so
     the grown draft starts out computing exactly what the smaller one does. ValueError naming what
-    differs when the file is not a draft this model can start from."""
+    differs when the file is not a draft this model can start from. A draft reading some of this
+    model's target layers starts it too: the features of the others start with weight 0."""
     from gguf.quants import dequantize
 
     from ikdflash.convert import ARCH, GLOBAL_TENSORS, LAYER_TENSORS
@@ -282,7 +294,10 @@ def init_from_draft(model: DraftModel, path: str | Path) -> None:
     theirs_sliding = [their_window > 0 and bool(x) for x in
                       gguf_field(reader, f"{ARCH}.attention.sliding_window_pattern", [True] * n_theirs)]
     ours_sliding = [cfg.sliding(il) for il in range(n_new, cfg.n_layer)]
-    header = {"target layer ids": ([int(x) for x in gguf_field(reader, f"{ARCH}.dflash.target_layer_ids")],
+    their_ids = [int(x) for x in gguf_field(reader, f"{ARCH}.dflash.target_layer_ids")]
+    # a draft reading some of this run's target layers starts it: the others' features weigh 0
+    reads_ours = set(their_ids) <= set(cfg.target_layer_ids)
+    header = {"target layer ids": (their_ids if not reads_ours else list(cfg.target_layer_ids),
                                    list(cfg.target_layer_ids)),
               "mask token": (int(gguf_field(reader, f"{ARCH}.dflash.mask_token_id")), cfg.mask_token_id),
               "sliding window": (their_window, cfg.sliding_window if any(ours_sliding) else 0),
@@ -306,6 +321,8 @@ def init_from_draft(model: DraftModel, path: str | Path) -> None:
             t = found[gguf_name]
             value = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
                 [int(x) for x in reversed(t.shape)])
+            if name == "fc.weight" and their_ids != list(cfg.target_layer_ids):
+                value = _spread_columns(value, their_ids, list(cfg.target_layer_ids))
             if tuple(value.shape) != tuple(state[name].shape):
                 raise ValueError(f"draft {path}: {gguf_name} has shape {list(value.shape)}, but this run's "
                                  f"draft needs {list(state[name].shape)}")

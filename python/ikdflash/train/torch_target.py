@@ -26,8 +26,6 @@ LOGIT_ROWS = 4096  # rows whose full logits exist at once (49,152 ids: 800 MB in
 # passes, a CPU's memory small ones
 TOKENS_PER_CALL = {"cuda": 65536, "cpu": 4096}
 ANSWERS_PER_CALL = {"cuda": 512, "cpu": 8}
-
-
 # token texts that end a generation whatever the GGUF's ids say (the fork's vocabulary loader keeps such a list)
 END_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>")
 
@@ -38,7 +36,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 class TorchTarget:
     """capture(sequences, layer_ids, top_k) returns, per sequence, what the fork's
-    Model._native.layer_features returns for it."""
+    Model._native.layer_features returns for it; generate(prompts, ...) answers as the fork's
+    Model.generate_many does."""
 
     def __init__(self, path: str | os.PathLike[str], device: str | None = None) -> None:
         from ikdflash.pair import gguf_field, open_gguf
