@@ -467,6 +467,8 @@ def save_prompts(target: str | os.PathLike[str], conversations: Iterable[Convers
     tokens file that `answer` reads: what a machine without the fork built needs to answer them."""
     from ikdflash.model import Model
 
+    if count < 1:
+        raise ValueError(f"--count must be at least 1, got {count}")
     template = chat_template(target)
     preamble = [("system", system)] if system else []
     sequences = []
@@ -487,8 +489,7 @@ def save_prompts(target: str | os.PathLike[str], conversations: Iterable[Convers
     index = np.stack([np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths], axis=1)
     meta = {"target": os.path.basename(os.fspath(target)), "n_vocab": n_vocab, "kind": "prompts", "system": system,
             "prompt_len": prompt_len, "n_rows": int(lengths.sum()), "n_sequences": len(sequences),
-            "conversations_first": first,
-            "conversations_done": done}
+            "conversations_first": first, "conversations_done": done}
     path = Path(path)
     np.savez_compressed(path, meta=np.array(json.dumps(meta)), index=index,
                         tokens=np.concatenate([np.asarray(t, dtype=np.int32) for t in sequences]),
@@ -530,8 +531,8 @@ def answer(target: str | os.PathLike[str], prompts: str | os.PathLike[str], fold
                 answers = model.generate(asked, max_tokens=answer_tokens, seed=seed + start,
                                          temperatures=[*temperatures[turn:], *temperatures[:turn]])
                 kept = [(q, a) for q, a in zip(asked, answers) if len(a) >= 2]
-                for group in _groups(np.array([[0, len(q) + len(a)] for q, a in kept]).reshape(-1, 2),
-                                     model.tokens_per_call):
+                lengths = np.array([[0, len(q) + len(a)] for q, a in kept]).reshape(-1, 2)  # grouped by length alone
+                for group in _groups(lengths, model.tokens_per_call):
                     pairs, kept = kept[:len(group)], kept[len(group):]
                     for (q, a), captured in zip(pairs, model.capture([q + a for q, a in pairs], layer_ids, TOP_K)):
                         writer.append(q + a, np.array([0] * len(q) + [1] * len(a), dtype=np.uint8), captured)
