@@ -290,19 +290,19 @@ def _run(args: argparse.Namespace) -> int:
 def held_out_prompts(target: str | os.PathLike[str], corpus_path: Path | None, count: int,
                      max_tokens: int = 1024, system: str | None = None) -> list[list[int]]:
     """The first user turns of held-out conversations, in the target's chat format, as tokens."""
-    from ikdflash.chat import chat_template, render
+    from ikdflash.chat import chat_template
     from ikdflash.model import Model
     from ikdflash.train.corpus import read_conversations
+    from ikdflash.train.data import first_turn_tokens
 
     template = chat_template(target)
+    preamble = [("system", system)] if system else []
     prompts = []
     with Model(target, n_ctx=64) as model:
         for conv in read_conversations(corpus_path):
             if not conv.held_out:
                 continue
-            preamble = [("system", system)] if system else []
-            text = render(template, [*preamble, ("user", conv.first_user_turn)], add_generation_prompt=True)
-            tokens = model.tokenize(text, add_special=False, parse_special=True)
+            tokens = first_turn_tokens(model, template, preamble, conv)
             if len(tokens) <= max_tokens:
                 prompts.append(tokens)
             if len(prompts) == count:

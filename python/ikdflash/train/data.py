@@ -206,6 +206,13 @@ def _start_meta(folder: Path, request: dict) -> dict:
     return dict(request, n_rows=0, n_sequences=0, n_trainable=0, conversations_done=0, seconds=0.0)
 
 
+def first_turn_tokens(model: Model, template: str, preamble: list, conv: Conversation) -> list[int]:
+    """A conversation's first user turn after the preamble (a system message, or none) as the prompt
+    the target answers (its chat format, the generation prompt added), in the target's tokens."""
+    text = render(template, [*preamble, ("user", conv.first_user_turn)], add_generation_prompt=True)
+    return model.tokenize(text, add_special=False, parse_special=True)
+
+
 def conversation_pieces(template: str, messages: Sequence[tuple[str, str]]) -> list[tuple[str, bool]]:
     """The rendered conversation cut at message boundaries: (text, is an assistant turn)."""
     pieces, before = [], ""
@@ -316,9 +323,7 @@ def _answer_sequences(model: Model, template: str, preamble: list, todo: Iterabl
         group.clear()
 
     for index, conv in todo:
-        text = render(template, [*preamble, ("user", conv.first_user_turn)], add_generation_prompt=True)
-        prompt = model.tokenize(text, add_special=False, parse_special=True)[-prompt_len:]
-        group.append((index, prompt))
+        group.append((index, first_turn_tokens(model, template, preamble, conv)[-prompt_len:]))
         if len(group) == 4 * n_parallel:
             yield from answered()
     if group:
@@ -400,15 +405,16 @@ def _capturer(capture: str, target: str | os.PathLike[str], n_ctx: int, n_thread
     raise ValueError(f"capture must be one of {', '.join(CAPTURES)}, got {capture!r}")
 
 
-def _groups(spans: np.ndarray, tokens_per_call: int) -> Iterable[np.ndarray]:
-    """Consecutive (first row, length) spans, as many a call as fit tokens_per_call padded tokens."""
+def _groups(lengths: Sequence[int], tokens_per_call: int) -> Iterable[slice]:
+    """Consecutive runs of sequences of these lengths, as many a call as fit tokens_per_call padded
+    tokens (0: one a call)."""
     start = 0
-    while start < len(spans):
+    while start < len(lengths):
         end = start + 1
-        while (end < len(spans) and tokens_per_call
-               and (end + 1 - start) * int(spans[start:end + 1, 1].max()) <= tokens_per_call):
+        while (end < len(lengths) and tokens_per_call
+               and (end + 1 - start) * max(lengths[start:end + 1]) <= tokens_per_call):
             end += 1
-        yield spans[start:end]
+        yield slice(start, end)
         start = end
 
 
@@ -442,7 +448,9 @@ def refresh(target: str | os.PathLike[str], source: str | os.PathLike[str], fold
                             f"{old.meta['n_vocab']}; {target} has {capturer.n_embd}, {capturer.n_vocab}")
         writer = _Writer(folder, _start_meta(folder, request))
         try:
-            for group in _groups(chosen[writer.meta["n_sequences"]:], capturer.tokens_per_call):
+            todo = chosen[writer.meta["n_sequences"]:]
+            for part in _groups(todo[:, 1].tolist(), capturer.tokens_per_call):
+                group = todo[part]
                 tokens = [old.tokens[first:first + n].tolist() for first, n in group]
                 for (first, n), seq, captured in zip(group, tokens,
                                                      capturer.capture(tokens, layer_ids, TOP_K)):
@@ -479,8 +487,7 @@ def save_prompts(target: str | os.PathLike[str], conversations: Iterable[Convers
                 continue
             if len(sequences) == count:
                 break
-            text = render(template, [*preamble, ("user", conv.first_user_turn)], add_generation_prompt=True)
-            sequences.append(model.tokenize(text, add_special=False, parse_special=True)[-prompt_len:])
+            sequences.append(first_turn_tokens(model, template, preamble, conv)[-prompt_len:])
             done = index + 1
         n_vocab = model.n_vocab
     if not sequences:
@@ -531,9 +538,8 @@ def answer(target: str | os.PathLike[str], prompts: str | os.PathLike[str], fold
                 answers = model.generate(asked, max_tokens=answer_tokens, seed=seed + start,
                                          temperatures=[*temperatures[turn:], *temperatures[:turn]])
                 kept = [(q, a) for q, a in zip(asked, answers) if len(a) >= 2]
-                lengths = np.array([[0, len(q) + len(a)] for q, a in kept]).reshape(-1, 2)  # grouped by length alone
-                for group in _groups(lengths, model.tokens_per_call):
-                    pairs, kept = kept[:len(group)], kept[len(group):]
+                for part in _groups([len(q) + len(a) for q, a in kept], model.tokens_per_call):
+                    pairs = kept[part]
                     for (q, a), captured in zip(pairs, model.capture([q + a for q, a in pairs], layer_ids, TOP_K)):
                         writer.append(q + a, np.array([0] * len(q) + [1] * len(a), dtype=np.uint8), captured)
                 writer.meta["conversations_done"] = start + len(spans)
@@ -620,7 +626,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             first = int(open_tokens(args.after).meta.get("conversations_done", 0)) if args.after else 0
             path = save_prompts(target, training_conversations(args.corpus), args.path, first=first,
                                 count=args.count, system=args.system)
-            print(f"{path}: {json.loads(str(np.load(path)['meta']))['n_sequences']} prompts")
+            print(f"{path}: {open_tokens(path).meta['n_sequences']} prompts")
             return 0
         if args.command == "build":
             dataset = _build_command(args, target)
