@@ -333,7 +333,7 @@ def test_a_second_run_resumes(trained):
 def test_a_new_run_goes_on_from_a_trained_draft(trained, tmp_path, capsys):
     """--init DRAFT.gguf: a fresh run folder starts from the draft's weights (a learning rate of
     ~0 keeps them, so its export equals the draft it started from); a draft of another shape or
-    window is refused by name."""
+    layout is refused by name, one of another window starts it."""
     import gguf
 
     run, argv = trained
@@ -348,8 +348,9 @@ def test_a_new_run_goes_on_from_a_trained_draft(trained, tmp_path, capsys):
     first_loss = json.loads((run / "report.json").read_text())["history"][0][2]
     assert json.loads((out / "report.json").read_text())["history"][0][2] < 0.9 * first_loss
 
-    assert main(with_flags(again, out=tmp_path / "wider", window=16)) == 2
-    assert "sliding window 8, but this run's draft has 16" in capsys.readouterr().err
+    assert main(with_flags(again, out=tmp_path / "wider", window=16)) == 0
+    assert main(with_flags(again, out=tmp_path / "all-sliding") + ["--layout", "all-sliding"]) == 2
+    assert "sliding layers [True, False], but this run's draft has [True, True]" in capsys.readouterr().err
     assert main(with_flags(again, out=tmp_path / "missing", init=tmp_path / "nothing.gguf")) == 2
     assert "nothing.gguf" in capsys.readouterr().err
 

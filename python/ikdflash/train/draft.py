@@ -274,7 +274,9 @@ def init_from_draft(model: DraftModel, path: str | Path) -> None:
     the layers below keep their weights (e.g. the target's) with their output projections zeroed, so
     the grown draft starts out computing exactly what the smaller one does. ValueError naming what
     differs when the file is not a draft this model can start from. A draft reading some of this
-    model's target layers starts it too: the features of the others start with weight 0."""
+    model's target layers starts it too: the features of the others start with weight 0. Its window
+    may differ from this model's (no weight depends on it): a draft widening its window starts out
+    seeing context it never learnt from, so expect a dip before training pays."""
     from gguf.quants import dequantize
 
     from ikdflash.convert import ARCH, GLOBAL_TENSORS, LAYER_TENSORS
@@ -300,7 +302,6 @@ def init_from_draft(model: DraftModel, path: str | Path) -> None:
     header = {"target layer ids": (their_ids if not reads_ours else list(cfg.target_layer_ids),
                                    list(cfg.target_layer_ids)),
               "mask token": (int(gguf_field(reader, f"{ARCH}.dflash.mask_token_id")), cfg.mask_token_id),
-              "sliding window": (their_window, cfg.sliding_window if any(ours_sliding) else 0),
               "sliding layers": (theirs_sliding, ours_sliding)}
     for what, (theirs, ours) in header.items():
         if theirs != ours:
