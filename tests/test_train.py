@@ -355,6 +355,35 @@ def test_a_new_run_goes_on_from_a_trained_draft(trained, tmp_path, capsys):
     assert "nothing.gguf" in capsys.readouterr().err
 
 
+def test_a_run_going_on_from_a_draft_keeps_its_heads_cut(trained, target, tmp_path):
+    """--init DRAFT whose head scores N ids, with --head-vocab N: the new run's draft scores DRAFT's
+    ids, not the ones its data uses most; another --head-vocab cuts the head anew from the data."""
+    import gguf
+
+    def head_ids(folder):
+        return json.loads((folder / "draft-hf" / "config.json").read_text())["dflash_config"]["head_token_ids"]
+
+    run, argv = trained
+    assert main(from_trained_draft(run, argv, tmp_path / "cut", head_vocab=40)) == 0
+    from_data = head_ids(tmp_path / "cut")
+    # the same draft scoring the 40 highest ids instead, which the data uses least
+    n_vocab = _core.Model(str(target), n_ctx=64).n_vocab
+    ours = list(range(n_vocab - 40, n_vocab))
+    assert len(from_data) == 40 and from_data != ours
+    crafted = tmp_path / "crafted.gguf"
+    crafted.write_bytes((tmp_path / "cut" / "draft.gguf").read_bytes())
+    field = gguf.GGUFReader(crafted, "r+").fields["dflash-draft.dflash.head_token_ids"]
+    for part, value in zip(field.data, ours):
+        field.parts[part][0] = value
+
+    kept = with_flags(from_trained_draft(run, argv, tmp_path / "kept", head_vocab=40), init=crafted)
+    assert main(kept) == 0
+    assert head_ids(tmp_path / "kept") == ours
+    assert main(with_flags(kept, out=tmp_path / "recut", head_vocab=30)) == 0
+    assert head_ids(tmp_path / "recut") == sorted(set(head_ids(tmp_path / "recut"))) != ours[:30]
+    assert set(head_ids(tmp_path / "recut")) < set(from_data)
+
+
 def test_a_draft_grows_a_layer_and_starts_out_computing_what_it_did(trained, target, tmp_path, capsys):
     """--init DRAFT with more --layers than DRAFT has: its layers become the top ones and the new one
     below passes its input through, so the fork's 3-layer export (a learning rate of ~0) gives the

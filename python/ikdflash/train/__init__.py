@@ -89,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="share of each position's loss on the target's top tokens, its distribution there, "
                           "beside its greedy token (0..1; default 0: the greedy token only)")
     fit.add_argument("--head-vocab", type=int, default=DEFAULTS["head_vocab"],
-                     help="train the head's softmax over the N most used ids (0: all; default 16384)")
+                     help="train the head's softmax over the N most used ids (0: all; default 16384); "
+                          "--init DRAFT with a head of N ids keeps its ids")
     fit.add_argument("--lr", type=float, default=6e-4)
     fit.add_argument("--batch-sequences", type=int, default=4,
                      help="sequences a step (48 anchors each; default 4: a CPU's size; a GPU wants more)")

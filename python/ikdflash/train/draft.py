@@ -276,7 +276,8 @@ def init_from_draft(model: DraftModel, path: str | Path) -> None:
     differs when the file is not a draft this model can start from. A draft reading some of this
     model's target layers starts it too: the features of the others start with weight 0. Its window
     may differ from this model's (no weight depends on it): a draft widening its window starts out
-    seeing context it never learnt from, so expect a dip before training pays."""
+    seeing context it never learnt from, so expect a dip before training pays. Its head's cut, if
+    any, becomes the model's cfg.head_token_ids (training keeps it when asked for as many ids)."""
     from gguf.quants import dequantize
 
     from ikdflash.convert import ARCH, GLOBAL_TENSORS, LAYER_TENSORS
@@ -307,6 +308,8 @@ def init_from_draft(model: DraftModel, path: str | Path) -> None:
         if theirs != ours:
             where = f" (its top {n_theirs})" if n_new and what == "sliding layers" else ""
             raise ValueError(f"draft {path}: {what} {theirs}, but this run's draft{where} has {ours}")
+    their_head = gguf_field(reader, f"{ARCH}.dflash.head_token_ids", None)
+    cfg.head_token_ids = [int(i) for i in their_head] if their_head is not None else None
     # their layer il is our layer il + n_new
     gguf_names = dict(GLOBAL_TENSORS) | {f"layers.{il + n_new}.{hf}": f"blk.{il}.{gguf_name}"
                                          for il in range(n_theirs) for hf, gguf_name in LAYER_TENSORS.items()}

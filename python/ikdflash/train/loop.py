@@ -18,9 +18,10 @@ which token wins, the distribution also how close the others came, which is more
 each row when rows are what a CPU can least afford.
 
 The embedding and head stay the target's, frozen. The head may be cut to the ids the labels use
-most (head_vocab), which makes a step several times cheaper; the cut is chosen once, kept in the
-checkpoint and exported (dflash_config.head_token_ids), so the fork's draft scores exactly the ids
-it was trained on, and reads a fraction of the head's weights each step.
+most (head_vocab), which makes a step several times cheaper; the cut is chosen once (or kept from
+the draft a run starts from, when it has as many ids), kept in the checkpoint and exported
+(dflash_config.head_token_ids), so the fork's draft scores exactly the ids it was trained on, and
+reads a fraction of the head's weights each step.
 """
 
 from __future__ import annotations
@@ -266,8 +267,14 @@ def train(model: DraftModel, datasets: Sequence[Dataset], settings: TrainSetting
         state = saved["state"]
         rng.bit_generator.state = saved["rng"]
         torch.set_rng_state(saved["torch_rng"])
-    # the head's cut is the draft's for good: a resumed run keeps it whatever data it adds
-    ids = saved["head_ids"] if saved is not None else head_subset(datasets, cfg.vocab_size, settings.head_vocab)
+    # the head's cut is the draft's for good: a resumed run keeps it whatever data it adds, and so
+    # does a run going on from a draft with that many ids (a different count asks for a new cut)
+    if saved is not None:
+        ids = saved["head_ids"]
+    elif cfg.head_token_ids and len(cfg.head_token_ids) == settings.head_vocab:
+        ids = np.asarray(cfg.head_token_ids, dtype=np.int64)
+    else:
+        ids = head_subset(datasets, cfg.vocab_size, settings.head_vocab)
     cfg.head_token_ids = [int(i) for i in ids] if len(ids) < cfg.vocab_size else None
     head = model.head[torch.from_numpy(ids).to(device)]
     weights = decay_weights(cfg.block_size, settings.gamma).to(device)
