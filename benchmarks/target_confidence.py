@@ -45,9 +45,9 @@ def draft_model(path: Path, target: Path) -> tuple[draft.DraftModel, np.ndarray]
         intermediate_size=int(field("feed_forward_length")), block_size=int(field("dflash.block_size")),
         mask_token_id=int(field("dflash.mask_token_id")), rope_theta=float(field("rope.freq_base")))
     model = draft.DraftModel(cfg, embd, head)
-    draft.init_from_draft(model, path)
-    ids = field("dflash.head_token_ids")
-    return model.eval(), np.asarray(ids if ids is not None else range(cfg.vocab_size), dtype=np.int64)
+    draft.init_from_draft(model, path)  # sets cfg.head_token_ids from the file's cut, if any
+    ids = cfg.head_token_ids or range(cfg.vocab_size)
+    return model.eval(), np.asarray(ids, dtype=np.int64)
 
 
 def main() -> int:
