@@ -29,10 +29,10 @@ EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.01)
 
 def draft_model(path: Path, target: Path) -> tuple[draft.DraftModel, np.ndarray]:
     """The draft GGUF as the trainer's model, and the ids its head scores."""
-    from ikdflash.convert import ARCH
+    from ikdflash.convert import DFLASH1_LAYOUT
 
     reader = open_gguf(path, "draft")
-    field = lambda key, default=None: gguf_field(reader, f"{ARCH}.{key}", default)  # noqa: E731
+    field = lambda key, default=None: gguf_field(reader, f"{DFLASH1_LAYOUT.arch}.{key}", default)  # noqa: E731
     embd, head, _, hp = target_weights(target, [])
     n_layer, window = int(field("block_count")), int(field("attention.sliding_window", 0))
     pattern = field("attention.sliding_window_pattern", [True] * n_layer)

@@ -12,11 +12,15 @@ from ikdflash.hf import read_tensors
 
 class ReferenceDraft:
     def __init__(self, draft_dir: Path, hf_target: Path) -> None:
+        import json
+
         import torch
-        from dflash.model import DFlashDraftModel
+        from dflash.model import DFlash2DraftModel, DFlashDraftModel
 
         self.torch = torch
-        self.model = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32).eval()
+        archs = json.loads((Path(draft_dir) / "config.json").read_text()).get("architectures", [])
+        model_class = DFlash2DraftModel if "DFlash2DraftModel" in archs else DFlashDraftModel
+        self.model = model_class.from_pretrained(draft_dir, dtype=torch.float32).eval()
         weights = read_tensors(hf_target)
         self.embed = torch.from_numpy(weights["model.embed_tokens.weight"])
         self.head = torch.nn.Linear(self.embed.shape[1], self.embed.shape[0], bias=False)
@@ -28,6 +32,24 @@ class ReferenceDraft:
 
     def logits(self, features: np.ndarray, first_token: int, start: int) -> np.ndarray:
         """Logits of the block [first_token, mask, ...] at start.., context rows at start-n..start-1."""
+        hidden = self._hidden(features, first_token, start)
+        with self.torch.inference_mode():
+            return self.model.compute_logits(hidden, self.head)[0].numpy()
+
+    def proposal(self, features: np.ndarray, first_token: int, start: int) -> list[int]:
+        """The block's greedy draft tokens (rows 1..): the argmax, or a DFlash2 draft's selector."""
+        from dflash.model import DFlash2DraftModel
+
+        hidden = self._hidden(features, first_token, start)[:, 1:]
+        with self.torch.inference_mode():
+            if isinstance(self.model, DFlash2DraftModel):
+                tokens = self.model.propose(hidden, self.torch.tensor([first_token]), self.head, 0.0)[0]
+            else:
+                tokens = self.model.compute_logits(hidden, self.head).argmax(dim=-1)
+        return [int(t) for t in tokens[0]]
+
+    def _hidden(self, features: np.ndarray, first_token: int, start: int):
+        """The draft's normed hidden states of the whole block (before the head)."""
         torch = self.torch
         block = torch.tensor([[first_token] + [self.model.mask_token_id] * (self.block_size - 1)])
         n_ctx = features.shape[0]
@@ -40,4 +62,4 @@ class ReferenceDraft:
                 position_ids=torch.arange(start - n_ctx, start + self.block_size)[None],
                 use_cache=False,
             )
-            return self.model.compute_logits(hidden, self.head)[0].numpy()
+        return hidden

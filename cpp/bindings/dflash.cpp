@@ -96,6 +96,17 @@ public:
         out["target_layer_ids"] = ids;
         out["n_target_features"] = dflash_draft_n_target_features(draft_);
         out["n_head_tokens"] = dflash_draft_n_head_tokens(draft_);
+        int32_t settings[4];
+        if (dflash_draft_dflash2_settings(draft_, settings)) {
+            py::dict dflash2;
+            const char * names[] = {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"};
+            for (int i = 0; i < 4; ++i) {
+                dflash2[names[i]] = settings[i];
+            }
+            out["dflash2"] = dflash2;
+        } else {
+            out["dflash2"] = py::none();
+        }
         return out;
     }
 

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <numeric>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -29,7 +30,8 @@ using dflash_impl::guarded;
 
 namespace {
 
-constexpr int k_max_graph_nodes = 8192;
+constexpr int k_max_graph_nodes = 8192;  // a DFlash1 step's; a DFlash2 draft adds its convolutions
+constexpr int k_conv_nodes_per_tap = 12;
 // Bounds on what a draft file may claim, far above any real draft (DFlash drafts have a handful
 // of layers and blocks of 16): a step's graph holds k_max_graph_nodes, and sizes multiply.
 constexpr int64_t k_max_layers = 64;
@@ -37,6 +39,7 @@ constexpr int64_t k_max_block = 256;
 constexpr int64_t k_max_width = 1 << 16;   // embedding, ffn, heads x head size
 constexpr int64_t k_max_heads = 1024;
 constexpr int64_t k_max_target_layers = 256;
+constexpr int64_t k_max_conv_taps = 16;
 constexpr int k_append_chunk = 256;  // context rows projected per graph
 // Keys per attention are padded to a multiple of this (zero rows, hidden by the mask), as the
 // fork's own KV cache is: the CPU matrix kernels overrun odd-sized KQ products otherwise.
@@ -163,22 +166,63 @@ std::vector<llama_token> read_token_ids(const gguf_meta & m, const std::string &
     return out;
 }
 
+// DFlash2's keys (after "<arch>.") and tensors, as ik_llama.cpp names them.
+constexpr const char * k_key_conv_taps = "conv_kernel_size";
+constexpr const char * k_key_conv_group = "conv_group_size";
+constexpr const char * k_key_selector_rank = "selector_rank";
+constexpr const char * k_key_selector_top_k = "selector_top_k";
+
+// (after "blk.N.attn_" or "blk.N.ffn_")
+constexpr const char * k_tensor_conv_base = "conv_base";  // no ".weight", as written upstream
+constexpr const char * k_tensor_conv_proj = "conv_proj.weight";
+constexpr const char * k_tensor_selector_hidden = "selector_hidden.weight";
+constexpr const char * k_tensor_selector_predecessor = "selector_predecessor.weight";
+constexpr const char * k_tensor_selector_successor = "selector_successor.weight";
+
 // How the two draft formats name things (docs: gguf-dflash.md §4.4).
 struct draft_format {
     const char * arch;
     const char * fc;
     const char * hidden_norm;
     const char * ffn_norm;
+    const char * embedding_scale;    // keys after "<arch>."
+    const char * output_multiplier;
 };
 const draft_format k_formats[] = {
-    {"dflash-draft", "dflash_fc.weight", "dflash_hidden_norm.weight", "post_attention_norm"},
-    {"dflash",       "fc.weight",        "enc.output_norm.weight",    "ffn_norm"},
+    {"dflash-draft", "dflash_fc.weight", "dflash_hidden_norm.weight", "post_attention_norm",
+     "dflash.input_embedding_scale", "dflash.output_multiplier"},
+    {"dflash",       "fc.weight",        "enc.output_norm.weight",    "ffn_norm",
+     "embedding_scale", "logit_scale"},
+};
+
+// A DFlash2 layer's in-block convolution around one sublayer: base [n_embd, taps, 2] (stage 0
+// before the sublayer, 1 after it) and the projection of a row to its dynamic taps, one per
+// channel group and stage.
+struct block_conv {
+    ggml_tensor * base = nullptr, * proj = nullptr;
 };
 
 struct draft_layer {
     ggml_tensor * attn_norm, * ffn_norm;
     ggml_tensor * wq, * wk, * wv, * wo, * q_norm, * k_norm;
     ggml_tensor * ffn_gate, * ffn_up, * ffn_down;
+    block_conv attn_conv, ffn_conv;  // DFlash2 only
+};
+
+// A DFlash2 selector codebook ([rank, n_vocab]) as the host reads it: one token's row at a time.
+struct codebook {
+    const ggml_tensor * tensor = nullptr;
+    std::vector<uint8_t> host_copy;  // when the tensor lives in an accelerator's memory
+    const uint8_t * data = nullptr;
+
+    void row(llama_token id, float * out) const {
+        const uint8_t * src = data + (size_t) id * tensor->nb[1];
+        if (tensor->type == GGML_TYPE_F32) {
+            std::memcpy(out, src, tensor->nb[1]);
+        } else {
+            ggml_internal_get_type_traits(tensor->type).to_float(src, out, tensor->ne[0]);
+        }
+    }
 };
 
 ggml_tensor * rms_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * weight, float eps) {
@@ -199,6 +243,12 @@ struct dflash_draft {
     std::vector<int> target_ids;
     int n_target_features = 0;
     std::vector<bool> sliding, causal;
+    // DFlash2 (docs/dflash.md): in-block convolutions of conv_taps taps over channel groups of
+    // conv_group, and the candidate selector re-ranking each row's selector_top_k best tokens
+    // by the token chosen before it. conv_taps == 0: a DFlash1 draft.
+    int conv_taps = 0, conv_group = 0, selector_rank = 0, selector_top_k = 0;
+    bool is_dflash2() const { return conv_taps > 0; }
+    int graph_nodes = k_max_graph_nodes;  // a step's graph holds at most this many
 
     // weights (ours), and the target's embedding and head when the draft has none
     ggml_context * ctx_w = nullptr;
@@ -206,6 +256,8 @@ struct dflash_draft {
     ggml_tensor * fc = nullptr, * hidden_norm = nullptr, * output_norm = nullptr;
     ggml_tensor * tok_embd = nullptr, * output = nullptr;
     std::vector<draft_layer> layers;
+    ggml_tensor * selector_hidden = nullptr;  // [n_embd, rank]
+    codebook predecessors, successors;
     // The ids the draft's head scores, increasing, when the file names a subset of the vocabulary
     // (dflash.head_token_ids; empty: all of it). The head is then those rows of the output matrix,
     // copied into a tensor of ours at load: a step reads a fraction of the vocabulary's weights.
@@ -350,6 +402,26 @@ namespace {
 
 // --- loading ---------------------------------------------------------------------------------
 
+// DFlash2's four keys: all of them (a DFlash2 draft) or none (DFlash1). The selector's top-K is
+// checked against the target's vocabulary in check_against_target.
+void read_dflash2_hparams(dflash_draft & d, const gguf_meta & m) {
+    const std::string & p = m.prefix;
+    const char * keys[] = {k_key_conv_taps, k_key_conv_group, k_key_selector_rank, k_key_selector_top_k};
+    const long present = std::count_if(std::begin(keys), std::end(keys), [&](const char * k) { return m.has(p + k); });
+    if (present == 0) {
+        return;
+    }
+    d.conv_taps = m.bounded(p + k_key_conv_taps, 0, 1, k_max_conv_taps, true);
+    d.conv_group = m.bounded(p + k_key_conv_group, 0, 1, d.n_embd, true);
+    d.selector_rank = m.bounded(p + k_key_selector_rank, 0, 1, k_max_width, true);
+    d.selector_top_k = m.bounded(p + k_key_selector_top_k, 0, 1, INT32_MAX, true);
+    if (d.n_embd % d.conv_group != 0) {
+        fail("key '%s%s' is %d, which does not divide the embedding width %d", p.c_str(), k_key_conv_group,
+             d.conv_group, d.n_embd);
+    }
+    d.graph_nodes += d.n_layer * 4 * d.conv_taps * k_conv_nodes_per_tap;
+}
+
 void read_hparams(dflash_draft & d, const gguf_meta & m) {
     const std::string & p = m.prefix;
     d.n_layer = m.bounded(p + "block_count", 0, 1, k_max_layers, true);
@@ -438,8 +510,9 @@ void read_hparams(dflash_draft & d, const gguf_meta & m) {
     for (int il = 0; il < d.n_layer; ++il) {
         d.causal.push_back(causal_id >= 0 ? m.flag(causal_id, causal_key) : (bool) d.sliding[il]);
     }
-    d.embedding_scale = m.real(p + "dflash.input_embedding_scale", 1.0f);
-    d.output_multiplier = m.real(p + "dflash.output_multiplier", 1.0f);
+    read_dflash2_hparams(d, m);
+    d.embedding_scale = m.real(p + d.format->embedding_scale, 1.0f);
+    d.output_multiplier = m.real(p + d.format->output_multiplier, 1.0f);
     d.logit_softcap = m.real(p + "dflash.final_logit_softcapping", m.real(p + "final_logit_softcapping", 0.0f));
 }
 
@@ -455,8 +528,9 @@ bool is_matrix_type(ggml_type type) {
     }
 }
 
+// A tensor of the given shape; vectors (and f32_only tensors) in F32, matrices in a matrix type.
 ggml_tensor * expect_tensor(ggml_context * ctx, const std::string & name, std::initializer_list<int64_t> shape,
-                            std::map<std::string, bool> & claimed, bool required = true) {
+                            std::map<std::string, bool> & claimed, bool required = true, bool f32_only = false) {
     ggml_tensor * t = ggml_get_tensor(ctx, name.c_str());
     if (t == nullptr) {
         if (required) {
@@ -467,21 +541,44 @@ ggml_tensor * expect_tensor(ggml_context * ctx, const std::string & name, std::i
     int i = 0;
     for (int64_t n : shape) {
         if (t->ne[i] != n) {
-            fail("tensor '%s' has shape [%lld, %lld], expected dimension %d to be %lld", name.c_str(),
-                 (long long) t->ne[0], (long long) t->ne[1], i, (long long) n);
+            fail("tensor '%s' has shape [%lld, %lld, %lld], expected dimension %d to be %lld", name.c_str(),
+                 (long long) t->ne[0], (long long) t->ne[1], (long long) t->ne[2], i, (long long) n);
         }
         ++i;
     }
     if (ggml_n_dims(t) > (int) shape.size()) {
         fail("tensor '%s' has %d dimensions, expected %zu", name.c_str(), ggml_n_dims(t), shape.size());
     }
-    const bool vector = shape.size() == 1;
-    if (vector ? t->type != GGML_TYPE_F32 : !is_matrix_type(t->type)) {
+    const bool f32 = f32_only || shape.size() == 1;
+    if (f32 ? t->type != GGML_TYPE_F32 : !is_matrix_type(t->type)) {
         fail("tensor '%s' has type %s, %s", name.c_str(), ggml_type_name(t->type),
-             vector ? "expected f32" : "not one the draft computes with (f32, f16, bf16, q8_0, q4/q5, k-quants)");
+             f32 ? "expected f32" : "not one the draft computes with (f32, f16, bf16, q8_0, q4/q5, k-quants)");
     }
     claimed[name] = true;
     return t;
+}
+
+void bind_dflash2_tensors(dflash_draft & d, std::map<std::string, bool> & claimed) {
+    ggml_context * ctx = d.ctx_w;
+    const int64_t n_dynamic = 2LL * d.conv_taps * (d.n_embd / d.conv_group);
+    auto conv = [&](const std::string & prefix) {
+        return block_conv{expect_tensor(ctx, prefix + k_tensor_conv_base, {d.n_embd, d.conv_taps, 2}, claimed, true, true),
+                          expect_tensor(ctx, prefix + k_tensor_conv_proj, {d.n_embd, n_dynamic}, claimed)};
+    };
+    for (int il = 0; il < d.n_layer; ++il) {
+        const std::string b = "blk." + std::to_string(il) + ".";
+        d.layers[il].attn_conv = conv(b + "attn_");
+        d.layers[il].ffn_conv = conv(b + "ffn_");
+    }
+    d.selector_hidden = expect_tensor(ctx, k_tensor_selector_hidden, {d.n_embd, d.selector_rank}, claimed);
+    d.predecessors.tensor = expect_tensor(ctx, k_tensor_selector_predecessor, {d.selector_rank, d.n_vocab}, claimed);
+    d.successors.tensor = expect_tensor(ctx, k_tensor_selector_successor, {d.selector_rank, d.n_vocab}, claimed);
+    for (const codebook * cb : {&d.predecessors, &d.successors}) {
+        if (cb->tensor->ne[0] % ggml_blck_size(cb->tensor->type) != 0) {
+            fail("tensor '%s' is stored as %s, whose blocks do not fit its rows of %lld", ggml_get_name(cb->tensor),
+                 ggml_type_name(cb->tensor->type), (long long) cb->tensor->ne[0]);
+        }
+    }
 }
 
 void bind_tensors(dflash_draft & d, const llama_model * target) {
@@ -508,6 +605,9 @@ void bind_tensors(dflash_draft & d, const llama_model * target) {
         l.ffn_up = expect_tensor(ctx, b + "ffn_up.weight", {d.n_embd, d.n_ff}, claimed);
         l.ffn_down = expect_tensor(ctx, b + "ffn_down.weight", {d.n_ff, d.n_embd}, claimed);
         d.layers.push_back(l);
+    }
+    if (d.is_dflash2()) {
+        bind_dflash2_tensors(d, claimed);
     }
     for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
         if (!claimed.count(ggml_get_name(t))) {
@@ -555,6 +655,10 @@ void check_against_target(dflash_draft & d, const gguf_meta & m, const llama_mod
     }
     d.n_vocab = n_vocab;
     d.head_ids = read_token_ids(m, m.prefix + "dflash.head_token_ids", n_vocab);
+    if (d.selector_top_k > n_vocab) {
+        fail("key '%s%s' is %d, above the vocabulary's %d tokens", m.prefix.c_str(), k_key_selector_top_k,
+             d.selector_top_k, n_vocab);
+    }
     if (d.mask_token < 0 || d.mask_token >= n_vocab) {
         fail("mask token %d is outside the vocabulary (%d tokens)", d.mask_token, n_vocab);
     }
@@ -632,7 +736,7 @@ void place(dflash_draft & d, const llama_model * target, const dflash_draft_para
     }
     backends.push_back(d.cpu);  // the scheduler wants the CPU last
     for (ggml_backend_sched_t * sched : {&d.sched_append, &d.sched_step}) {
-        *sched = ggml_backend_sched_new(backends.data(), nullptr, (int) backends.size(), k_max_graph_nodes, false);
+        *sched = ggml_backend_sched_new(backends.data(), nullptr, (int) backends.size(), d.graph_nodes, false);
     }
 }
 
@@ -655,6 +759,20 @@ void load_weights(dflash_draft & d, gguf_context * gctx) {
             fail("cannot read tensor '%s' (%zu bytes at %zu)", ggml_get_name(t), size, offset);
         }
         ggml_backend_tensor_set(t, buf.data(), 0, size);
+    }
+}
+
+// The selector reads its codebooks on the host, a few rows a step: where the weights live.
+void attach_codebooks(dflash_draft & d) {
+    for (codebook * cb : {&d.predecessors, &d.successors}) {
+        const ggml_tensor * t = cb->tensor;
+        if (ggml_backend_buffer_is_host(t->buffer)) {
+            cb->data = (const uint8_t *) t->data;
+            continue;
+        }
+        cb->host_copy.resize(ggml_nbytes(t));
+        ggml_backend_tensor_get(t, cb->host_copy.data(), 0, cb->host_copy.size());
+        cb->data = cb->host_copy.data();
     }
 }
 
@@ -722,10 +840,13 @@ std::unique_ptr<dflash_draft> load(const char * path, const llama_model * target
 
     place(*d, target, params);
     load_weights(*d, gctx);
+    if (d->is_dflash2()) {
+        attach_codebooks(*d);
+    }
     if (!d->head_ids.empty()) {
         cut_head(*d);
     }
-    d->graph_meta.resize(ggml_tensor_overhead() * k_max_graph_nodes + ggml_graph_overhead_custom(k_max_graph_nodes, false));
+    d->graph_meta.resize(ggml_tensor_overhead() * d->graph_nodes + ggml_graph_overhead_custom(d->graph_nodes, false));
     return d;
 }
 
@@ -784,7 +905,7 @@ void append_rows(dflash_draft & d, dflash_cache & c, const float * in, bool fuse
                  int n_after, float * fused_out) {
     ggml_context * ctx = d.graph_context();
     std::unique_ptr<ggml_context, decltype(&ggml_free)> guard(ctx, ggml_free);
-    ggml_cgraph * gf = ggml_new_graph_custom(ctx, k_max_graph_nodes, false);
+    ggml_cgraph * gf = ggml_new_graph_custom(ctx, d.graph_nodes, false);
     ggml_tensor * inp = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, fuse ? d.n_target_features : d.n_embd, n);
     ggml_tensor * inp_pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
     ggml_set_input(inp);
@@ -889,21 +1010,102 @@ void flush_pending(dflash_draft & d, dflash_cache & c) {
     c.keep_pending(0);
 }
 
-// The step's logits, n_rows x n_vocab floats; a cut head leaves the ids it does not score at -inf.
-void read_logits(const dflash_draft & d, ggml_tensor * logits, int n_rows, float * out) {
+int n_scored(const dflash_draft & d) { return d.head_ids.empty() ? d.n_vocab : (int) d.head_ids.size(); }
+
+// The step's logits as the head scores them: n_rows x n_scored floats.
+std::vector<float> read_scored(const dflash_draft & d, ggml_tensor * logits, int n_rows) {
+    std::vector<float> scored((size_t) n_rows * n_scored(d));
+    ggml_backend_tensor_get(logits, scored.data(), 0, ggml_nbytes(logits));
+    return scored;
+}
+
+// The scored logits over the whole vocabulary, n_rows x n_vocab floats: a cut head leaves the ids
+// it does not score at -inf.
+void expand_logits(const dflash_draft & d, const std::vector<float> & scored, int n_rows, float * out) {
     if (d.head_ids.empty()) {
-        ggml_backend_tensor_get(logits, out, 0, ggml_nbytes(logits));
+        std::copy(scored.begin(), scored.end(), out);
         return;
     }
     const size_t n_ids = d.head_ids.size();
-    std::vector<float> scored(n_ids * n_rows);
-    ggml_backend_tensor_get(logits, scored.data(), 0, ggml_nbytes(logits));
     std::fill(out, out + (size_t) n_rows * d.n_vocab, -INFINITY);
     for (int r = 0; r < n_rows; ++r) {
         for (size_t i = 0; i < n_ids; ++i) {
             out[(size_t) r * d.n_vocab + d.head_ids[i]] = scored[r * n_ids + i];
         }
     }
+}
+
+// DFlash2's candidate selector, greedy. Left to right over the head rows from max(1, head_row0),
+// each row's token is the best of its selector_top_k highest-scored ids by
+// logit + <predecessor[previous] * hidden_projection(row), successor[candidate]>, previous being
+// the token chosen for the row before (the block's first token for row 1). scored: the head
+// rows' logits (read_scored); projected: their hidden projections, selector_rank floats a row.
+void select_tokens(const dflash_draft & d, const std::vector<float> & scored, const std::vector<float> & projected,
+                   int head_row0, int n_head, llama_token first, llama_token * tokens_out) {
+    const int n_ids = n_scored(d), rank = d.selector_rank;
+    const int k = std::min(d.selector_top_k, n_ids);
+    std::vector<int32_t> order(n_ids);
+    std::vector<float> query(rank), successor(rank);
+    llama_token previous = first;
+    for (int j = std::max(1, head_row0); j < head_row0 + n_head; ++j) {
+        const float * logit = scored.data() + (size_t) (j - head_row0) * n_ids;
+        const float * hidden = projected.data() + (size_t) (j - head_row0) * rank;
+        // the candidates: highest logits first, lower ids first among equals, NaN last
+        auto key = [logit](int32_t i) { return std::isnan(logit[i]) ? -INFINITY : logit[i]; };
+        std::iota(order.begin(), order.end(), 0);
+        std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
+            return key(a) > key(b) || (key(a) == key(b) && a < b);
+        });
+        d.predecessors.row(previous, query.data());
+        for (int r = 0; r < rank; ++r) {
+            query[r] *= hidden[r];
+        }
+        float best_score = -INFINITY;
+        llama_token best = d.head_ids.empty() ? order[0] : d.head_ids[order[0]];
+        for (int i = 0; i < k; ++i) {
+            const llama_token id = d.head_ids.empty() ? order[i] : d.head_ids[order[i]];
+            d.successors.row(id, successor.data());
+            float score = 0.0f;
+            for (int r = 0; r < rank; ++r) {
+                score += query[r] * successor[r];
+            }
+            score += logit[order[i]];
+            if (score > best_score) {
+                best_score = score;
+                best = id;
+            }
+        }
+        tokens_out[j - 1] = previous = best;
+    }
+}
+
+// A DFlash2 layer's in-block convolution, stage 0 (on the sublayer's normed input) or 1 (on its
+// output): row t of the result is the sum over taps j of (base[stage][j] + dynamic taps of row t
+// for stage, j and the channel's group) * in[t - j], rows before the block counting as zeros.
+// taps: [2 * conv_taps * groups, B], the projection of the sublayer's normed input. Each tap is
+// added where the reference adds it (base, then dynamic), so the sums round alike.
+ggml_tensor * convolve_block(const dflash_draft & d, ggml_context * ctx, ggml_tensor * in, ggml_tensor * taps,
+                             const block_conv & conv, int stage) {
+    const int64_t B = in->ne[1], groups = d.n_embd / d.conv_group;
+    ggml_tensor * out = nullptr;
+    for (int j = 0; j < d.conv_taps && j < B; ++j) {
+        const int64_t n = B - j;  // rows j.. of the result read rows ..n-1 of in
+        ggml_tensor * src = ggml_view_2d(ctx, in, d.n_embd, n, in->nb[1], 0);
+        ggml_tensor * base = ggml_view_1d(ctx, conv.base, d.n_embd, stage * conv.base->nb[2] + j * conv.base->nb[1]);
+        ggml_tensor * dynamic = ggml_view_3d(ctx, taps, 1, groups, n, taps->nb[0], taps->nb[1],
+                                             (stage * d.conv_taps + j) * groups * taps->nb[0] + j * taps->nb[1]);
+        ggml_tensor * by_base = ggml_mul(ctx, src, base);
+        ggml_tensor * by_dynamic = ggml_reshape_2d(ctx, ggml_mul(ctx, ggml_reshape_3d(ctx, src, d.conv_group, groups, n),
+                                                                 dynamic), d.n_embd, n);
+        if (j == 0) {
+            out = ggml_add(ctx, by_base, by_dynamic);
+        } else {
+            const size_t offset = j * out->nb[1];
+            out = ggml_acc(ctx, out, by_base, out->nb[1], out->nb[2], out->nb[3], offset);
+            out = ggml_acc(ctx, out, by_dynamic, out->nb[1], out->nb[2], out->nb[3], offset);
+        }
+    }
+    return out;
 }
 
 // One draft step. The head, which costs more than the layers for a large vocabulary, runs only on
@@ -921,7 +1123,7 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
     const int B = all_causal ? head_row0 + n_head : d.block_size;  // block rows computed
     ggml_context * ctx = d.graph_context();
     std::unique_ptr<ggml_context, decltype(&ggml_free)> guard(ctx, ggml_free);
-    ggml_cgraph * gf = ggml_new_graph_custom(ctx, k_max_graph_nodes, false);
+    ggml_cgraph * gf = ggml_new_graph_custom(ctx, d.graph_nodes, false);
 
     ggml_tensor * inp_tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
     ggml_tensor * inp_pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
@@ -944,6 +1146,11 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
         const draft_layer & l = d.layers[il];
         const dflash_cache_layer & cl = c.layers[il];
         ggml_tensor * a = rms_norm(ctx, x, l.attn_norm, d.rms_eps);
+        ggml_tensor * attn_taps = nullptr;
+        if (d.is_dflash2()) {
+            attn_taps = ggml_mul_mat(ctx, l.attn_conv.proj, a);
+            a = convolve_block(d, ctx, a, attn_taps, l.attn_conv, 0);
+        }
         ggml_tensor * q = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wq, a), d.head_dim, d.n_head, B);
         q = rope(d, ctx, rms_norm(ctx, q, l.q_norm, d.rms_eps), inp_pos);
         ggml_tensor * k_block, * v_block;
@@ -964,11 +1171,24 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
         kq = ggml_soft_max_ext(ctx, kq, masks[il], kq_scale, 0.0f);
         ggml_tensor * kqv = ggml_mul_mat(ctx, v_t, kq);  // [head_dim, B, n_head]
         ggml_tensor * attn = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), d.head_dim * d.n_head, B);
-        x = ggml_add(ctx, x, ggml_mul_mat(ctx, l.wo, attn));
+        ggml_tensor * attn_out = ggml_mul_mat(ctx, l.wo, attn);
+        if (d.is_dflash2()) {
+            attn_out = convolve_block(d, ctx, attn_out, attn_taps, l.attn_conv, 1);
+        }
+        x = ggml_add(ctx, x, attn_out);
 
         ggml_tensor * n = rms_norm(ctx, x, l.ffn_norm, d.rms_eps);
+        ggml_tensor * ffn_taps = nullptr;
+        if (d.is_dflash2()) {
+            ffn_taps = ggml_mul_mat(ctx, l.ffn_conv.proj, n);
+            n = convolve_block(d, ctx, n, ffn_taps, l.ffn_conv, 0);
+        }
         ggml_tensor * ff = ggml_mul(ctx, ggml_silu(ctx, ggml_mul_mat(ctx, l.ffn_gate, n)), ggml_mul_mat(ctx, l.ffn_up, n));
-        x = ggml_add(ctx, x, ggml_mul_mat(ctx, l.ffn_down, ff));
+        ggml_tensor * ff_out = ggml_mul_mat(ctx, l.ffn_down, ff);
+        if (d.is_dflash2()) {
+            ff_out = convolve_block(d, ctx, ff_out, ffn_taps, l.ffn_conv, 1);
+        }
+        x = ggml_add(ctx, x, ff_out);
     }
     x = ggml_view_2d(ctx, x, d.n_embd, n_head, x->nb[1], (size_t) head_row0 * x->nb[1]);
     x = rms_norm(ctx, x, d.output_norm, d.rms_eps);
@@ -979,10 +1199,19 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
     if (d.logit_softcap > 0.0f) {
         logits = ggml_scale(ctx, ggml_tanh(ctx, ggml_scale(ctx, logits, 1.0f / d.logit_softcap)), d.logit_softcap);
     }
-    ggml_tensor * ids = ggml_argmax(ctx, logits);
-    ggml_set_output(ids);
-    ggml_build_forward_expand(gf, ids);
-    if (logits_out) {
+    // DFlash1: the argmax on the backend. DFlash2: the logits and the rows' hidden projections
+    // go to the host's selector.
+    ggml_tensor * ids = nullptr, * projected = nullptr;
+    if (d.is_dflash2()) {
+        projected = ggml_mul_mat(ctx, d.selector_hidden, x);
+        ggml_set_output(projected);
+        ggml_build_forward_expand(gf, projected);
+    } else {
+        ids = ggml_argmax(ctx, logits);
+        ggml_set_output(ids);
+        ggml_build_forward_expand(gf, ids);
+    }
+    if (logits_out || d.is_dflash2()) {
         ggml_set_output(logits);
         ggml_build_forward_expand(gf, logits);
     }
@@ -1004,8 +1233,18 @@ void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t sta
         ggml_backend_tensor_set(masks[il], mask.data(), 0, ggml_nbytes(masks[il]));
     }
     d.compute(d.sched_step, gf, "the draft step");
+    std::vector<float> scored;
+    if (logits_out || d.is_dflash2()) {
+        scored = read_scored(d, logits, n_head);
+    }
     if (logits_out) {
-        read_logits(d, logits, n_head, logits_out);
+        expand_logits(d, scored, n_head, logits_out);
+    }
+    if (d.is_dflash2()) {
+        std::vector<float> hidden((size_t) n_head * d.selector_rank);
+        ggml_backend_tensor_get(projected, hidden.data(), 0, ggml_nbytes(projected));
+        select_tokens(d, scored, hidden, head_row0, n_head, first, tokens_out);
+        return;
     }
     std::vector<int32_t> best(n_head);
     ggml_backend_tensor_get(ids, best.data(), 0, ggml_nbytes(ids));
@@ -1052,6 +1291,13 @@ int  dflash_draft_target_layer_id(const dflash_draft * d, int i) { return d->tar
 int  dflash_draft_n_target_features(const dflash_draft * d) { return d->n_target_features; }
 const char * dflash_draft_format(const dflash_draft * d) { return d->format->arch; }
 int  dflash_draft_n_head_tokens(const dflash_draft * d) { return d->head_ids.empty() ? d->n_vocab : (int) d->head_ids.size(); }
+bool dflash_draft_dflash2_settings(const dflash_draft * d, int32_t out[4]) {
+    if (!d->is_dflash2()) {
+        return false;
+    }
+    out[0] = d->conv_taps, out[1] = d->conv_group, out[2] = d->selector_rank, out[3] = d->selector_top_k;
+    return true;
+}
 const char * dflash_draft_device(const dflash_draft * d) { return ggml_backend_name(d->device ? d->device : d->cpu); }
 
 dflash_cache * dflash_cache_init(dflash_draft * d, int cross_ctx, bool full_attention) {

@@ -65,6 +65,9 @@ LLAMA_API const char * dflash_draft_format(const dflash_draft * draft);         
 // The ids the draft's head scores: a subset the draft was trained on (dflash.head_token_ids), whose
 // rows of the output matrix are all a step reads, or the whole vocabulary.
 LLAMA_API int  dflash_draft_n_head_tokens(const dflash_draft * draft);
+// A DFlash2 draft's settings into out: conv_kernel_size, conv_group_size, selector_rank,
+// selector_top_k. false (out untouched) for a DFlash1 draft.
+LLAMA_API bool dflash_draft_dflash2_settings(const dflash_draft * draft, int32_t out[4]);
 
 // Cross-context for one sequence. Full-attention layers keep the newest cross_ctx rows; sliding
 // layers never keep more than their window needs (window - 1 rows), so their memory and attention

@@ -1,9 +1,11 @@
-"""Convert a Hugging Face DFlash draft into ik_llama.cpp's `dflash-draft` GGUF.
+"""Convert a Hugging Face DFlash draft into a GGUF: a DFlash1 draft into ik_llama.cpp's
+`dflash-draft` layout, a DFlash2 draft into the flat `dflash` layout that ik_llama.cpp and
+llama.cpp read DFlash2 drafts in.
 
     ikdflash convert DRAFT_DIR --target-model-dir TARGET [--outtype f32|f16|bf16|q8_0|q4_1] [--outfile PATH]
     python -m ikdflash.convert ...
 
-DRAFT_DIR holds config.json (architecture DFlashDraftModel) and safetensors weights. TARGET is
+DRAFT_DIR holds config.json (architecture DFlashDraftModel or DFlash2DraftModel) and safetensors weights. TARGET is
 the target's Hugging Face folder (config.json + tokenizer.json) or its GGUF file: the draft reads
 the target's tokenizer, hidden size and layer count from it.
 
@@ -37,7 +39,6 @@ from ikdflash import pausepoint
 from ikdflash.hf import CheckpointError, read_config, read_json_object, read_tensors, text_config
 from ikdflash.pair import gguf_field
 
-ARCH = "dflash-draft"
 OUTTYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
     "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
@@ -48,10 +49,23 @@ OUTTYPES = {
 }
 MAX_TARGET_LAYERS = 8  # what ik_llama.cpp's loader accepts
 
-# Hugging Face name (after dropping a leading "model.") -> GGUF name, per layer and global.
+@dataclass(frozen=True)
+class Layout:
+    """How a GGUF layout names the draft: its architecture and the names that differ."""
+
+    arch: str
+    fc: str
+    hidden_norm: str
+    ffn_norm: str
+
+
+DFLASH1_LAYOUT = Layout("dflash-draft", "dflash_fc.weight", "dflash_hidden_norm.weight", "post_attention_norm.weight")
+DFLASH2_LAYOUT = Layout("dflash", "fc.weight", "enc.output_norm.weight", "ffn_norm.weight")
+
+# Hugging Face name (after dropping a leading "model.") -> GGUF name, per layer and global; the
+# names a layout sets are filled in by layer_tensors and global_tensors.
 LAYER_TENSORS = {
     "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "post_attention_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight",
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
@@ -62,16 +76,36 @@ LAYER_TENSORS = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-GLOBAL_TENSORS = {
-    "fc.weight": "dflash_fc.weight",
-    "hidden_norm.weight": "dflash_hidden_norm.weight",
-    "norm.weight": "output_norm.weight",
+DFLASH2_LAYER_TENSORS = {
+    "attention_conv.base_kernel": "attn_conv_base",
+    "attention_conv.kernel_projection.weight": "attn_conv_proj.weight",
+    "mlp_conv.base_kernel": "ffn_conv_base",
+    "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight",
 }
+# the reference's checkpoints name the codebooks without ".weight"; a re-saved model may add it
+DFLASH2_TENSORS = {
+    "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
+    "candidate_selector.predecessor_codebook.weight": "selector_predecessor.weight",
+    "candidate_selector.successor_codebook": "selector_successor.weight",
+    "candidate_selector.successor_codebook.weight": "selector_successor.weight",
+    "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
+}
+F32_TENSORS = ("attn_conv_base", "ffn_conv_base")  # 3-D, kept F32 as ik_llama.cpp writes them
 OPTIONAL_TENSORS = {"embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight"}
 
 
 class ConversionError(ValueError):
     """The checkpoint cannot be expressed as a dflash-draft GGUF; the message says why."""
+
+
+@dataclass
+class Dflash2Settings:
+    """A DFlash2 draft's in-block convolutions and candidate selector."""
+
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
 
 
 @dataclass
@@ -100,7 +134,23 @@ class DraftHeader:
     final_logit_softcapping: float | None = None
     # ikdflash's own: the ids the draft's head scores (those it was trained on), None = all
     head_token_ids: list[int] | None = None
+    dflash2: Dflash2Settings | None = None
 
+    @property
+    def layout(self) -> Layout:
+        return DFLASH2_LAYOUT if self.dflash2 else DFLASH1_LAYOUT
+
+
+def layer_tensors(layout: Layout, dflash2: bool = False) -> dict[str, str]:
+    """A layer's weights (HF name after "layers.N." -> GGUF name after "blk.N.")."""
+    names = LAYER_TENSORS | {"post_attention_layernorm.weight": layout.ffn_norm}
+    return names | DFLASH2_LAYER_TENSORS if dflash2 else names
+
+
+def global_tensors(layout: Layout, dflash2: bool = False) -> dict[str, str]:
+    """Required weights outside the layers (HF name -> GGUF name)."""
+    names = {"fc.weight": layout.fc, "hidden_norm.weight": layout.hidden_norm, "norm.weight": "output_norm.weight"}
+    return names | DFLASH2_TENSORS if dflash2 else names
 
 @dataclass
 class TargetInfo:
@@ -118,6 +168,7 @@ MAX_LAYERS = 64
 MAX_WIDTH = 1 << 16      # embedding, feed-forward, heads x head size
 MAX_HEADS = 1024
 MAX_BLOCK = 256
+MAX_CONV_TAPS = 16
 INT32_MAX = 2**31 - 1
 
 
@@ -229,11 +280,28 @@ def _sliding_layers(config: Mapping[str, Any], n_layer: int, where: str) -> tupl
     return window, pattern
 
 
+def _dflash2_settings(config: Mapping[str, Any], n_embd: int, n_vocab: int, where: str) -> Dflash2Settings:
+    def integer(name: str, hi: int) -> int:
+        value = _draft_value(config, name)
+        if value is None:
+            raise ConversionError(f"{where}: missing required key '{name}' (a DFlash2DraftModel has it)")
+        return _integer(value, name, where, 1, hi)
+
+    settings = Dflash2Settings(conv_kernel_size=integer("conv_kernel_size", MAX_CONV_TAPS),
+                               conv_group_size=integer("conv_group_size", n_embd),
+                               selector_rank=integer("selector_rank", MAX_WIDTH),
+                               selector_top_k=integer("selector_top_k", n_vocab))
+    if n_embd % settings.conv_group_size:
+        raise ConversionError(f"{where}: 'conv_group_size' is {settings.conv_group_size}, which does not divide "
+                              f"hidden_size {n_embd}")
+    return settings
+
+
 def read_draft_header(config: Mapping[str, Any], target: TargetInfo, where: str) -> DraftHeader:
     archs = config.get("architectures") or []
-    if not isinstance(archs, list) or "DFlashDraftModel" not in archs:
+    if not isinstance(archs, list) or not {"DFlashDraftModel", "DFlash2DraftModel"} & set(archs):
         raise ConversionError(f"{where}: architecture {archs or 'unknown'} is not supported "
-                              "(expected DFlashDraftModel)")
+                              "(expected DFlashDraftModel or DFlash2DraftModel)")
     if config.get("attention_bias"):
         raise ConversionError(f"{where}: attention_bias=true is not supported by the dflash-draft format")
     if config.get("hidden_act", "silu") != "silu":
@@ -289,6 +357,8 @@ def read_draft_header(config: Mapping[str, Any], target: TargetInfo, where: str)
         output_multiplier=optional_float("output_multiplier"),
         final_logit_softcapping=optional_float("final_logit_softcapping"),
         head_token_ids=_head_token_ids(config, target.n_vocab, where),
+        dflash2=(_dflash2_settings(config, n_embd, target.n_vocab, where)
+                 if "DFlash2DraftModel" in archs else None),
     )
 
 
@@ -397,14 +467,22 @@ def expected_shapes(header: DraftHeader, n_vocab: int) -> dict[str, tuple[int, .
     """GGUF name -> the Hugging Face shape (rows, cols) every weight must have."""
     q, kv, e, ff = header.n_head * header.head_dim, header.n_head_kv * header.head_dim, header.n_embd, header.n_ff
     per_layer = {
-        "attn_norm.weight": (e,), "post_attention_norm.weight": (e,),
+        "attn_norm.weight": (e,),
         "attn_q.weight": (q, e), "attn_k.weight": (kv, e), "attn_v.weight": (kv, e),
         "attn_output.weight": (e, q), "attn_q_norm.weight": (header.head_dim,),
         "attn_k_norm.weight": (header.head_dim,),
         "ffn_gate.weight": (ff, e), "ffn_up.weight": (ff, e), "ffn_down.weight": (e, ff),
     }
-    shapes = {"dflash_fc.weight": (e, header.n_target_features), "dflash_hidden_norm.weight": (e,),
+    per_layer[header.layout.ffn_norm] = (e,)
+    shapes = {header.layout.fc: (e, header.n_target_features), header.layout.hidden_norm: (e,),
               "output_norm.weight": (e,), "token_embd.weight": (n_vocab, e), "output.weight": (n_vocab, e)}
+    if header.dflash2:
+        taps, rank = header.dflash2.conv_kernel_size, header.dflash2.selector_rank
+        n_dynamic = 2 * taps * (e // header.dflash2.conv_group_size)
+        for conv in ("attn", "ffn"):
+            per_layer |= {f"{conv}_conv_base": (2, taps, e), f"{conv}_conv_proj.weight": (n_dynamic, e)}
+        shapes |= {"selector_predecessor.weight": (n_vocab, rank), "selector_successor.weight": (n_vocab, rank),
+                   "selector_hidden.weight": (rank, e)}
     for il in range(header.n_layer):
         shapes |= {f"blk.{il}.{name}": shape for name, shape in per_layer.items()}
     return shapes
@@ -416,13 +494,15 @@ def map_tensors(weights: Mapping[str, np.ndarray], header: DraftHeader, n_vocab:
     nothing else."""
     out: dict[str, np.ndarray] = {}
     unknown = []
+    dflash2 = header.dflash2 is not None
+    per_layer, outside = layer_tensors(header.layout, dflash2), global_tensors(header.layout, dflash2)
     for hf_name, array in weights.items():
         name = hf_name.removeprefix("model.")
         layer = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-        if layer and layer.group(2) in LAYER_TENSORS and int(layer.group(1)) < header.n_layer:
-            gguf_name = f"blk.{int(layer.group(1))}.{LAYER_TENSORS[layer.group(2)]}"
+        if layer and layer.group(2) in per_layer and int(layer.group(1)) < header.n_layer:
+            gguf_name = f"blk.{int(layer.group(1))}.{per_layer[layer.group(2)]}"
         else:
-            gguf_name = GLOBAL_TENSORS.get(name, OPTIONAL_TENSORS.get(name))
+            gguf_name = outside.get(name, OPTIONAL_TENSORS.get(name))
         if gguf_name is None:
             unknown.append(hf_name)
         elif gguf_name in out:
@@ -430,19 +510,20 @@ def map_tensors(weights: Mapping[str, np.ndarray], header: DraftHeader, n_vocab:
         else:
             out[gguf_name] = array
     if unknown:
-        raise ConversionError(f"{where}: weights the dflash-draft format cannot hold: {', '.join(sorted(unknown))}")
-    expected = list(GLOBAL_TENSORS.values()) + [f"blk.{i}.{t}" for i in range(header.n_layer)
-                                                 for t in LAYER_TENSORS.values()]
+        raise ConversionError(f"{where}: weights the {header.layout.arch} format cannot hold: "
+                              f"{', '.join(sorted(unknown))}")
+    expected = sorted(set(outside.values())) + [f"blk.{i}.{t}" for i in range(header.n_layer)
+                                                 for t in per_layer.values()]
     missing = [n for n in expected if n not in out]
     if missing:
         raise ConversionError(f"{where}: missing weights: {', '.join(missing)}")
     if "output.weight" in out and "token_embd.weight" not in out:
-        raise ConversionError(f"{where}: lm_head without embed_tokens is not a valid dflash-draft layout")
+        raise ConversionError(f"{where}: lm_head without embed_tokens is not a valid {header.layout.arch} layout")
     shapes = expected_shapes(header, n_vocab)
     for name, array in out.items():
         if array.shape != shapes[name]:
             raise ConversionError(f"{where}: {name} has shape {list(array.shape)}, expected {list(shapes[name])}"
-                                  + _fc_hint(header) * (name == "dflash_fc.weight"))
+                                  + _fc_hint(header) * (name == header.layout.fc))
         if array.dtype.kind != "f":
             raise ConversionError(f"{where}: {name} holds integers ({array.dtype}), expected floats")
     return out
@@ -453,10 +534,11 @@ def _fc_hint(header: DraftHeader) -> str:
             f"{len(header.target_layer_ids)} target layers)")
 
 
-def encode_tensor(array: np.ndarray, outtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
-    """1-D tensors (norms) stay F32, as ik's converter keeps them; matrices take the outtype."""
+def encode_tensor(name: str, array: np.ndarray, outtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    """1-D tensors (norms) and DFlash2's convolution bases stay F32, as ik's converter keeps them;
+    matrices take the outtype."""
     qtype = OUTTYPES[outtype][0]
-    if array.ndim <= 1 or qtype == gguf.GGMLQuantizationType.F32:
+    if array.ndim <= 1 or name.endswith(F32_TENSORS) or qtype == gguf.GGMLQuantizationType.F32:
         return array.astype(np.float32), gguf.GGMLQuantizationType.F32
     if qtype == gguf.GGMLQuantizationType.F16:
         return array.astype(np.float16), qtype
@@ -468,7 +550,7 @@ def encode_tensor(array: np.ndarray, outtype: str) -> tuple[np.ndarray, gguf.GGM
 # --- writing -----------------------------------------------------------------------------------
 
 def write_header(writer: gguf.GGUFWriter, header: DraftHeader, outtype: str) -> None:
-    a = ARCH
+    a = header.layout.arch
     writer.add_uint32(f"{a}.block_count", header.n_layer)
     writer.add_uint32(f"{a}.context_length", header.context_length)
     writer.add_uint32(f"{a}.embedding_length", header.n_embd)
@@ -482,10 +564,13 @@ def write_header(writer: gguf.GGUFWriter, header: DraftHeader, outtype: str) -> 
     writer.add_uint32(f"{a}.rope.dimension_count", header.head_dim)
     writer.add_bool(f"{a}.attention.causal", False)  # as ik writes it; see dflash.is_causal
     writer.add_uint32("general.file_type", int(OUTTYPES[outtype][1]))
-    writer.add_uint32(f"{a}.dflash.block_size", header.block_size)
-    writer.add_uint32(f"{a}.dflash.mask_token_id", header.mask_token_id)
-    writer.add_array(f"{a}.dflash.target_layer_ids", header.target_layer_ids)
-    writer.add_uint32(f"{a}.dflash.n_target_features", header.n_target_features)
+    if header.dflash2:
+        _write_flat_keys(writer, header)
+    else:
+        writer.add_uint32(f"{a}.dflash.block_size", header.block_size)
+        writer.add_uint32(f"{a}.dflash.mask_token_id", header.mask_token_id)
+        writer.add_array(f"{a}.dflash.target_layer_ids", header.target_layer_ids)
+        writer.add_uint32(f"{a}.dflash.n_target_features", header.n_target_features)
     if header.sliding_window:
         writer.add_uint32(f"{a}.attention.sliding_window", header.sliding_window)
         writer.add_array(f"{a}.attention.sliding_window_pattern", header.sliding_pattern)
@@ -494,9 +579,28 @@ def write_header(writer: gguf.GGUFWriter, header: DraftHeader, outtype: str) -> 
     for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
         value = getattr(header, name)
         if value is not None:
-            writer.add_float32(f"{a}.dflash.{name}", value)
+            writer.add_float32(f"{a}.{_SCALE_KEYS[header.layout.arch][name]}", value)
     if header.head_token_ids is not None:
         writer.add_array(f"{a}.dflash.head_token_ids", header.head_token_ids)
+
+
+# The reference's settings, as each layout's keys name them (after "<arch>.").
+_SCALE_KEYS = {
+    "dflash-draft": {name: f"dflash.{name}" for name in
+                     ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")},
+    "dflash": {"input_embedding_scale": "embedding_scale", "output_multiplier": "logit_scale",
+               "final_logit_softcapping": "final_logit_softcapping"},
+}
+
+
+def _write_flat_keys(writer: gguf.GGUFWriter, header: DraftHeader) -> None:
+    """The flat layout's own keys: target layers numbered from 1 (the input of the layer after)
+    and DFlash2's four settings. Its mask token is the tokenizer's (_write_gguf)."""
+    assert header.dflash2 is not None
+    writer.add_uint32("dflash.block_size", header.block_size)
+    writer.add_array("dflash.target_layers", [i + 1 for i in header.target_layer_ids])
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        writer.add_uint32(f"dflash.{name}", getattr(header.dflash2, name))
 
 
 def add_tokenizer_fields(writer: gguf.GGUFWriter, tokenizer: Mapping[str, Any]) -> None:
@@ -530,14 +634,16 @@ def _write_gguf(outfile: Path, name: str, header: DraftHeader, outtype: str, tok
     conversion never leaves a truncated draft (or a half-overwritten old one) at outfile."""
     fd, partial = tempfile.mkstemp(prefix=f".{outfile.name}.", suffix=".partial", dir=outfile.parent)
     os.close(fd)
-    writer = gguf.GGUFWriter(partial, ARCH)
+    writer = gguf.GGUFWriter(partial, header.layout.arch)
     try:
         writer.add_string("general.name", name)
         write_header(writer, header, outtype)
+        if header.dflash2:
+            tokenizer = {**tokenizer, "tokenizer.ggml.mask_token_id": header.mask_token_id}
         add_tokenizer_fields(writer, tokenizer)
         writer.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
         for i, (tensor_name, array) in enumerate(tensors.items(), 1):
-            data, qtype = encode_tensor(array, outtype)
+            data, qtype = encode_tensor(tensor_name, array, outtype)
             writer.add_tensor(tensor_name, data, raw_dtype=qtype)
             log(f"[{i}/{len(tensors)}] {tensor_name:36s} {str(list(array.shape)):16s} {qtype.name}")
             pausepoint.reached("convert")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import gguf
 import numpy as np
@@ -99,8 +99,12 @@ def write_tiny_draft(folder: Path, hf_target: Path, *, target_layer_ids: Sequenc
                      sliding_window: int | None = None, block_size: int = 8, mask_token_id: int | None = None,
                      n_head: int = 4, n_head_kv: int = 2, head_dim: int = 16, n_ff: int = 128,
                      rope_theta: float = 10000.0, rope_in_parameters: bool = False,
-                     extra_config: dict[str, Any] | None = None, seed: int = 0) -> Path:
-    """A random DFlashDraftModel checkpoint for the target in hf_target (hidden size taken from it)."""
+                     extra_config: dict[str, Any] | None = None, seed: int = 0,
+                     dflash2: Mapping[str, int] | None = None) -> Path:
+    """A random DFlashDraftModel checkpoint for the target in hf_target (hidden size taken from it).
+
+    dflash2 (conv_kernel_size, conv_group_size, selector_rank, selector_top_k) makes it a
+    DFlash2DraftModel: each layer's two in-block convolutions and the candidate selector."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     target_config = json.loads((Path(hf_target) / "config.json").read_text())
@@ -112,7 +116,7 @@ def write_tiny_draft(folder: Path, hf_target: Path, *, target_layer_ids: Sequenc
         specials = [t for t in tokenizer["added_tokens"] if "mask" in t["content"]]
         mask_token_id = specials[0]["id"] if specials else vocab - 1
     config: dict[str, Any] = {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": ["DFlash2DraftModel" if dflash2 else "DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": hidden,
         "num_hidden_layers": n_layer,
@@ -134,6 +138,8 @@ def write_tiny_draft(folder: Path, hf_target: Path, *, target_layer_ids: Sequenc
         "block_size": block_size,
         "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
     }
+    if dflash2:
+        config["dflash_config"] |= dict(dflash2)
     if rope_in_parameters:
         config["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta}
     else:
@@ -164,5 +170,31 @@ def write_tiny_draft(folder: Path, hf_target: Path, *, target_layer_ids: Sequenc
             p + "mlp.up_proj.weight": matrix(n_ff, hidden),
             p + "mlp.down_proj.weight": matrix(hidden, n_ff),
         }
+    if dflash2:
+        tensors |= _dflash2_tensors(rng, dict(dflash2), n_layer, hidden, vocab)
     write_tensors(folder / "model.safetensors", tensors)
     return folder
+
+
+def _dflash2_tensors(rng: np.random.Generator, settings: dict[str, int], n_layer: int, hidden: int,
+                     vocab: int) -> dict[str, np.ndarray]:
+    """Random DFlash2 weights under the names the reference's checkpoints use. Each convolution's
+    base kernel starts near the identity (tap 0 near 1), so activations keep their scale."""
+    taps, groups = settings["conv_kernel_size"], hidden // settings["conv_group_size"]
+    rank = settings["selector_rank"]
+    tensors = {}
+    for il in range(n_layer):
+        for conv in ("attention_conv", "mlp_conv"):
+            base = 0.3 * rng.standard_normal((2, taps, hidden))
+            base[:, 0] += 1.0
+            p = f"layers.{il}.{conv}."
+            tensors[p + "base_kernel"] = base.astype(np.float32)
+            tensors[p + "kernel_projection.weight"] = (
+                0.3 / np.sqrt(hidden) * rng.standard_normal((2 * taps * groups, hidden))).astype(np.float32)
+    tensors |= {
+        "candidate_selector.predecessor_codebook": rng.standard_normal((vocab, rank)).astype(np.float32),
+        "candidate_selector.successor_codebook": rng.standard_normal((vocab, rank)).astype(np.float32),
+        "candidate_selector.hidden_projection.weight":
+            (1.0 / np.sqrt(hidden) * rng.standard_normal((rank, hidden))).astype(np.float32),
+    }
+    return tensors

@@ -280,39 +280,41 @@ def init_from_draft(model: DraftModel, path: str | Path) -> None:
     any, becomes the model's cfg.head_token_ids (training keeps it when asked for as many ids)."""
     from gguf.quants import dequantize
 
-    from ikdflash.convert import ARCH, GLOBAL_TENSORS, LAYER_TENSORS
+    from ikdflash.convert import DFLASH1_LAYOUT, global_tensors, layer_tensors
     from ikdflash.pair import gguf_field, open_gguf
 
+    arch = DFLASH1_LAYOUT.arch
     reader = open_gguf(path, "draft")
-    if gguf_field(reader, "general.architecture", None) != ARCH:
+    if gguf_field(reader, "general.architecture", None) != arch:
         raise ValueError(f"draft {path}: not a DFlash draft (architecture "
                          f"{gguf_field(reader, 'general.architecture', None)!r})")
     cfg = model.cfg
-    n_theirs = int(gguf_field(reader, f"{ARCH}.block_count"))
+    n_theirs = int(gguf_field(reader, f"{arch}.block_count"))
     if n_theirs > cfg.n_layer:
         raise ValueError(f"draft {path}: {n_theirs} layers, more than this run's draft has ({cfg.n_layer})")
     n_new = cfg.n_layer - n_theirs
-    their_window = int(gguf_field(reader, f"{ARCH}.attention.sliding_window", 0))
+    their_window = int(gguf_field(reader, f"{arch}.attention.sliding_window", 0))
     # as the fork reads it: no window, no sliding layer; a window without a pattern slides them all
     theirs_sliding = [their_window > 0 and bool(x) for x in
-                      gguf_field(reader, f"{ARCH}.attention.sliding_window_pattern", [True] * n_theirs)]
+                      gguf_field(reader, f"{arch}.attention.sliding_window_pattern", [True] * n_theirs)]
     ours_sliding = [cfg.sliding(il) for il in range(n_new, cfg.n_layer)]
-    their_ids = [int(x) for x in gguf_field(reader, f"{ARCH}.dflash.target_layer_ids")]
+    their_ids = [int(x) for x in gguf_field(reader, f"{arch}.dflash.target_layer_ids")]
     # a draft reading some of this run's target layers starts it: the others' features weigh 0
     reads_ours = set(their_ids) <= set(cfg.target_layer_ids)
     header = {"target layer ids": (their_ids if not reads_ours else list(cfg.target_layer_ids),
                                    list(cfg.target_layer_ids)),
-              "mask token": (int(gguf_field(reader, f"{ARCH}.dflash.mask_token_id")), cfg.mask_token_id),
+              "mask token": (int(gguf_field(reader, f"{arch}.dflash.mask_token_id")), cfg.mask_token_id),
               "sliding layers": (theirs_sliding, ours_sliding)}
     for what, (theirs, ours) in header.items():
         if theirs != ours:
             where = f" (its top {n_theirs})" if n_new and what == "sliding layers" else ""
             raise ValueError(f"draft {path}: {what} {theirs}, but this run's draft{where} has {ours}")
-    their_head = gguf_field(reader, f"{ARCH}.dflash.head_token_ids", None)
+    their_head = gguf_field(reader, f"{arch}.dflash.head_token_ids", None)
     cfg.head_token_ids = [int(i) for i in their_head] if their_head is not None else None
     # their layer il is our layer il + n_new
-    gguf_names = dict(GLOBAL_TENSORS) | {f"layers.{il + n_new}.{hf}": f"blk.{il}.{gguf_name}"
-                                         for il in range(n_theirs) for hf, gguf_name in LAYER_TENSORS.items()}
+    gguf_names = global_tensors(DFLASH1_LAYOUT) | {
+        f"layers.{il + n_new}.{hf}": f"blk.{il}.{gguf_name}"
+        for il in range(n_theirs) for hf, gguf_name in layer_tensors(DFLASH1_LAYOUT).items()}
     state = model.state_dict()
     new_layers = tuple(f"layers.{il}." for il in range(n_new))
     ours_by_gguf = {gguf_names[reference_name(name)]: name for name in state if not name.startswith(new_layers)}
