@@ -66,10 +66,16 @@ def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 @pytest.fixture(scope="session")
 def swa_pairs(tiny_model, tiny_draft):
     """arch -> (target, random draft): tiny llama and qwen35moe (hybrid) targets, each with a
-    3-layer draft, sliding window 8 on two layers, block 16, for the server tests."""
+    3-layer draft, sliding window 8 on two layers, block 16, for the server tests; "ARCH+dflash2"
+    -> the same target with a DFlash2 draft of that shape."""
     swa = dict(layer_types=["sliding_attention"] * 2 + ["full_attention"], sliding_window=8, block_size=16)
-    return {arch: (tiny_model(arch), tiny_draft(tiny_model(arch), target_layer_ids=[0, 2], seed=5, **swa))
-            for arch in ("llama", "qwen35moe")}
+    dflash2 = dict(conv_kernel_size=3, conv_group_size=16, selector_rank=16, selector_top_k=8)
+    pairs = {}
+    for arch in ("llama", "qwen35moe"):
+        target = tiny_model(arch)
+        pairs[arch] = (target, tiny_draft(target, target_layer_ids=[0, 2], seed=5, **swa))
+        pairs[f"{arch}+dflash2"] = (target, tiny_draft(target, target_layer_ids=[0, 2], seed=5, dflash2=dflash2, **swa))
+    return pairs
 
 
 @pytest.fixture(scope="session")

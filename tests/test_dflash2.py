@@ -5,7 +5,11 @@ lossless in the engine, and every bad file refused naming the field."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
+import gguf
 import numpy as np
 import pytest
 
@@ -181,6 +185,39 @@ def test_greedy_speculation_is_lossless(engine_pair, adaptive):
             assert st.generated == len(spec.tokens) == 1 + st.accepted + st.steps
 
 
+@pytest.fixture(scope="module")
+def oracle_pair(tiny_model, tiny_draft):
+    """A target whose head is all zeros (every token equally likely, greedy always token 0) and a
+    DFlash2 draft borrowing that head: every logit ties, so its selector picks among ids 0..3."""
+    target = tiny_model("llama", zero_head=True)
+    return target, tiny_draft(target, target_layer_ids=[1], block_size=8, layer_types=["full_attention"],
+                              dflash2=dflash2((2, 16, 8, 4)))
+
+
+@pytest.mark.parametrize("options", [dict(temperature=0.8), dict(temperature=1.0, top_k=5),
+                                     dict(temperature=0.7, repeat_penalty=1.3)],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_seeded_sampling_is_the_target_alones(engine_pair, oracle_pair, options):
+    """A draft token is kept only when it equals the target's own sample, whatever chose it: with
+    the same seed, speculation returns what the target alone returns."""
+    for target, draft in (engine_pair, oracle_pair):
+        with Engine(target, draft, n_ctx=512) as engine:
+            for seed in (1, 2):
+                spec = engine.speculate(PROMPT, max_tokens=24, n_max=4, seed=seed, **options)
+                assert spec.tokens == engine.generate(PROMPT, max_tokens=24, seed=seed, **options).tokens
+
+
+def test_sampled_tokens_follow_the_target_distribution(oracle_pair):
+    """Under the zero head every token is equally likely; speculation must not bias that towards
+    the draft's proposals (ids 0..3)."""
+    target, draft = oracle_pair
+    with Engine(target, draft, n_ctx=512) as engine:
+        out = engine.speculate("hi", max_tokens=400, n_max=4, temperature=1.0, seed=1)
+        assert out.stats.drafted > 0
+    share_proposed = sum(t < 4 for t in out.tokens) / len(out.tokens)
+    assert share_proposed < 0.06  # uniform over 320 tokens: 1.25%
+
+
 def test_draft_info_names_the_format(target, drafts):
     _, _, model = target
     info = _core.Draft(model, str(drafts["k2-swa"][1])).info()
@@ -244,3 +281,52 @@ def test_the_converter_refuses_bad_settings(target, tmp_path, change, message):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConversionError, match=message):
         convert(folder, hf, outtype="f32", outfile=tmp_path / "x.gguf", log=lambda _: None)
+
+
+# Upstream's converter for DFlash2 (ik_llama.cpp's convert_hf_to_gguf.py with gguf-py beside it),
+# run with its vocabulary taken from our reading of the target: the tiny test tokenizer has no
+# pre-tokenizer hash it knows, and the vocabulary is the target's either way.
+UPSTREAM_TREE = os.environ.get("IKDFLASH_UPSTREAM_TREE")
+UPSTREAM_RUNNER = """
+import sys
+tree = sys.argv.pop(1)
+sys.path[:0] = [tree + "/gguf-py", tree]
+import convert_hf_to_gguf as upstream
+from ikdflash.convert import add_tokenizer_fields, read_target
+
+def set_vocab(self):
+    add_tokenizer_fields(self.gguf_writer, read_target(self._require_target_model_dir()).tokenizer)
+
+upstream.DFlash2DraftModel.set_vocab = set_vocab
+sys.exit(upstream.main())
+"""
+
+
+@pytest.mark.skipif(not UPSTREAM_TREE, reason="set IKDFLASH_UPSTREAM_TREE to an ik_llama.cpp tree with DFlash2")
+@pytest.mark.parametrize("case", ["k2-swa", "k4-causal"])
+def test_upstreams_converter_writes_what_ours_writes(target, drafts, tmp_path, case):
+    """The same checkpoint through upstream's converter: the same keys, tensors, shapes and types
+    (but the names upstream derives from the folder, and our own dflash.dflash.* settings, such
+    as is_causal, which upstream does not write), and the same logits and tokens here."""
+    _, hf, model = target
+    folder, ours = drafts[case]
+    theirs = tmp_path / "upstream.gguf"
+    runner = tmp_path / "run_upstream.py"
+    runner.write_text(UPSTREAM_RUNNER)
+    subprocess.run([sys.executable, str(runner), UPSTREAM_TREE, str(folder), "--target-model-dir",
+                    str(hf), "--outtype", "f32", "--outfile", str(theirs)], check=True, capture_output=True)
+
+    def layout(path):
+        reader = gguf.GGUFReader(path)
+        names = {"general.name", "general.size_label", "general.type", "dflash.rope.dimension_count"}
+        keys = {k: f.contents() for k, f in reader.fields.items()
+                if not k.startswith(("GGUF.", "dflash.dflash.")) and k not in names}
+        return keys, {t.name: (tuple(t.shape), t.tensor_type) for t in reader.tensors}
+
+    assert layout(ours) == layout(theirs)
+    features = context(20, 128)
+    pos = np.arange(20, dtype=np.int32)
+    a, tokens_a = _core.Draft(model, str(ours)).forward(features, pos, 65, 20)
+    b, tokens_b = _core.Draft(model, str(theirs)).forward(features, pos, 65, 20)
+    np.testing.assert_array_equal(a, b)
+    assert tokens_a == tokens_b

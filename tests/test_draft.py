@@ -451,7 +451,7 @@ def test_converter_takes_the_tokenizer_from_a_gguf_target(target, tmp_path):
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"architectures": ["DFlash2DraftModel"]}, "is not supported (expected DFlashDraftModel)"),
+    ({"architectures": ["Eagle3DraftModel"]}, "is not supported (expected DFlashDraftModel or DFlash2DraftModel)"),
     ({"attention_bias": True}, "attention_bias=true is not supported"),
     ({"dflash_config": {"mask_token_id": 5}}, "missing required key 'target_layer_ids'"),
     ({"dflash_config": {"target_layer_ids": [0, 7], "mask_token_id": 5}}, "outside the target's 4 layers"),

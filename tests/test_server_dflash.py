@@ -45,7 +45,7 @@ def all_outputs(url: str) -> dict[str, tuple[str, dict | None]]:
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe", "llama+dflash2", "qwen35moe+dflash2"])
 def test_lossless_on_every_endpoint(swa_pairs, tmp_path, arch):
     target, draft = swa_pairs[arch]
     with Server(target, ctx_size=CTX, n_threads=2, log_file=tmp_path / "plain.log") as url:
@@ -171,7 +171,7 @@ TWO_PROMPTS = [PROMPT, "once upon a time there was a little server that could. "
 
 
 @pytest.mark.parametrize("parallel", [1, 2])
-@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe", "qwen35moe+dflash2"])
 def test_concurrent_requests_are_lossless(swa_pairs, tmp_path, arch, parallel):
     """Two requests at once: queued on one slot, or on two slots whose drafts are verified in the
     same batches (each rejection then leaves holes in the KV cache under the other slot's cells,

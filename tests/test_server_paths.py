@@ -96,7 +96,7 @@ def stop_string(target, tmp_path, prompt: str) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("parallel", [1, 2])
-@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe", "qwen35moe+dflash2"])
 def test_chat_continued_then_edited(swa_pairs, tmp_path, arch, parallel):
     """Request 1 ends on a stop string mid-step (rejected drafts: for the hybrid target the final
     checkpoint must hold the state after the replay of the kept tokens); request 2 continues the
@@ -150,7 +150,7 @@ def test_chat_continued_token_for_token_then_edited(swa_pairs, tmp_path, arch):
     assert not any(phrase in log for phrase in DRAFT_RESETS)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe", "qwen35moe+dflash2"])
 def test_prompts_swapped_through_the_ram_cache(swa_pairs, tmp_path, arch):
     """Conversation A, then B (A goes to the RAM cache), then A continued (A comes back)."""
     target, draft = swa_pairs[arch]
@@ -213,7 +213,7 @@ def test_the_prefix_is_reused_with_reasoning_tokens_none(swa_pairs, tmp_path):
     assert [r["timings"]["prompt_n"] for r in replies[2:]] == [1, 1]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe", "qwen35moe+dflash2"])
 def test_slot_save_and_restore(swa_pairs, tmp_path, arch):
     target, draft = swa_pairs[arch]
     saved = tmp_path / "slots"
@@ -242,10 +242,11 @@ def test_a_prompt_longer_than_the_context(swa_pairs, tmp_path):
     assert not any(phrase in log for phrase in DRAFT_RESETS)
 
 
-def test_a_generation_that_shifts_the_context(swa_pairs, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "llama+dflash2"])
+def test_a_generation_that_shifts_the_context(swa_pairs, tmp_path, arch):
     """Before, the draft kept its rows at the old positions: the next draft failed and the whole
     context was reset with a warning, the valid prefix included."""
-    target, draft = swa_pairs["llama"]
+    target, draft = swa_pairs[arch]
     steps = [completion(STORY, 300, ignore_eos=True, n_keep=4)]
     plain, spec, log = side_by_side(target, draft, tmp_path, steps, ctx=128, args=["--context-shift", "on"])
     assert_same_text(plain, spec)
@@ -278,7 +279,7 @@ def proposals(log: str) -> dict[int, list[tuple[str, ...]]]:
 
 
 @pytest.mark.parametrize("path", ["edit", "ram-cache", "slot-restore", "cancelled-stream"])
-@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe", "qwen35moe+dflash2"])
 def test_the_draft_proposes_what_a_fresh_request_proposes(swa_pairs, tmp_path, arch, path):
     """The output is the target's either way; the draft's context shows in its proposals. After
     an edit of a reply (the window-8 rings have wrapped), a prompt swapped through the RAM cache,

@@ -30,6 +30,10 @@ def write_corpus(path, n: int, seed: int = 0):
     return path
 
 
+DFLASH2 = {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 6}
+DFLASH2_FLAGS = ["--arch", "dflash2", "--conv-kernel-size", "3", "--selector-rank", "8", "--selector-top-k", "6"]
+
+
 def with_flags(argv, **values):
     """A copy of a command line with some flags' values changed (max_steps=5 sets --max-steps 5)."""
     changed = list(argv)
@@ -138,11 +142,13 @@ def test_captured_rows_are_the_reference_hidden_states(tiny_model, tmp_path):
         model.close()
 
 
-@pytest.mark.parametrize("layout", ["seed", "all-sliding"])
-def test_the_training_forward_is_the_reference_block_by_block(target, tmp_path, layout):
+@pytest.mark.parametrize("layout,dflash2", [("seed", None), ("all-sliding", None), ("seed", DFLASH2)],
+                         ids=["seed", "all-sliding", "seed-dflash2"])
+def test_the_training_forward_is_the_reference_block_by_block(target, tmp_path, layout, dflash2):
     """Many blocks of one sequence in one training pass compute what the reference computes for
     each block alone, with the context rows before its anchor (anchors past the window, so the
-    sliding layers' mask is exercised)."""
+    sliding layers' mask is exercised); a DFlash2 draft's convolutions stay within each block, and
+    its selector, fed the reference's greedy choices as predecessors, makes those choices."""
     import torch
 
     from ikdflash.hf import read_tensors
@@ -157,7 +163,7 @@ def test_the_training_forward_is_the_reference_block_by_block(target, tmp_path, 
                       num_target_layers=config["num_hidden_layers"],
                       target_layer_ids=[0, 1], layer_types=layer_types(2, layout), sliding_window=4,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, block_size=5,
-                      mask_token_id=65, rope_theta=10000.0)
+                      mask_token_id=65, rope_theta=10000.0, dflash2=dflash2)
     torch.manual_seed(0)
     draft = DraftModel(cfg, weights["model.embed_tokens.weight"], weights["lm_head.weight"])
     for p in draft.parameters():  # weights large enough that every term shows in the logits
@@ -169,10 +175,19 @@ def test_the_training_forward_is_the_reference_block_by_block(target, tmp_path, 
     block = torch.full((1, 3, 5), 65)
     block[0, :, 0] = torch.tensor(first)
     with torch.no_grad():
-        logits = (draft.hidden(features, block, anchors) @ draft.head.T)[0].numpy()
+        hidden = draft.hidden(features, block, anchors)[0]
+        logits = (hidden @ draft.head.T).numpy()
     for i, a in enumerate(anchors[0].tolist()):
         ref = reference.logits(features[0, :a].numpy(), first[i], a)
         np.testing.assert_allclose(logits[5 * i:5 * i + 5], ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+        if dflash2:
+            proposal = reference.proposal(features[0, :a].numpy(), first[i], a)
+            rows = slice(5 * i + 1, 5 * i + 5)
+            with torch.no_grad():
+                candidates = torch.topk(torch.from_numpy(logits[rows]), dflash2["selector_top_k"]).indices
+                scores = torch.from_numpy(logits[rows]).gather(-1, candidates) + draft.candidate_selector.pair_scores(
+                    hidden[rows], torch.tensor([first[i]] + proposal[:-1]), candidates)
+            assert candidates.gather(-1, scores.argmax(-1, keepdim=True))[:, 0].tolist() == proposal
 
 
 def test_target_layers_keep_their_attention_scores_under_neox_rope():
@@ -213,7 +228,7 @@ def test_labels_follow_the_targets_path(tmp_path):
                    greedy=greedy, trainable=np.ones(10, dtype=np.uint8), features=np.zeros((10, 1), np.float16))
     label_map = np.arange(32)
     target = Batches([data], 5, 31, TrainSettings(minutes=1, off_path_weight=0.25), label_map)
-    labels, weight, on_path = target.labels(tokens, greedy, 1)
+    labels, weight, on_path, _ = target.labels(tokens, greedy, 1)
     assert list(labels) == [7, 0, 9, 10]          # greedy[1..4]
     assert list(weight) == [1.0, 1.0, 0.25, 0.25]  # row 3 holds 8, the target said 0 after row 2
     assert list(on_path) == [True, True, False, False]
@@ -257,6 +272,7 @@ def test_soft_labels_are_the_targets_top_tokens_after_each_row(tmp_path):
 
     class Exact(torch.nn.Module):  # hidden state = the wanted log-probabilities, head = identity
         cfg = type("cfg", (), {"block_size": 4})
+        candidate_selector = None  # a DFlash1 draft
 
         def hidden(self, features, block, anchors):
             S, A = anchors.shape
@@ -403,6 +419,58 @@ def test_a_draft_grows_a_layer_and_starts_out_computing_what_it_did(trained, tar
 
     assert main(with_flags(grown, out=tmp_path / "shrunk", layers=1)) == 2
     assert "2 layers, more than this run's draft has (1)" in capsys.readouterr().err
+
+
+def test_a_dflash1_draft_grows_into_dflash2_proposing_what_it_did(trained, target, tmp_path):
+    """--arch dflash2 --init DFLASH1.gguf: the convolutions start as the identity and the
+    selector's successor codebook at 0, so the fork's DFlash2 export (a learning rate of ~0)
+    computes the DFlash1 draft's logits and proposes its tokens."""
+    run, argv = trained
+    assert main(from_trained_draft(run, argv, tmp_path / "grown") + DFLASH2_FLAGS) == 0
+    model = _core.Model(str(target), n_ctx=256)
+    one, two = (_core.Draft(model, str(folder / "draft.gguf")) for folder in (run, tmp_path / "grown"))
+    assert (one.info()["format"], two.info()["format"]) == ("dflash-draft", "dflash")
+    assert two.info()["dflash2"] == DFLASH2 | {"conv_group_size": 16}
+    features = np.random.default_rng(4).standard_normal((24, one.info()["n_target_features"])).astype(np.float32)
+    positions = np.arange(24, dtype=np.int32)
+    logits_one, tokens_one = one.forward(features, positions, 65, 24)
+    logits_two, tokens_two = two.forward(features, positions, 65, 24)
+    assert float(np.max(np.abs(logits_two - logits_one)) / np.max(np.abs(logits_one))) <= 1e-4
+    assert tokens_two == tokens_one
+
+
+def test_a_dflash2_run_trains_its_selector_and_the_fork_computes_the_reference(trained, target, tmp_path, capsys):
+    """A DFlash2 run from the DFlash1 draft lowers its loss; the reference loads its checkpoint and
+    the fork's export computes its logits and chooses its tokens; its GGUF starts a further run
+    (the flat layout read back), while a DFlash2 draft cannot start a DFlash1 run or one of other
+    settings."""
+    from reference import ReferenceDraft
+
+    run, argv = trained
+    out = tmp_path / "dflash2"
+    command = with_flags(from_trained_draft(run, argv, out), max_steps=20, lr="3e-3") + DFLASH2_FLAGS
+    assert main(command) == 0
+    history = json.loads((out / "report.json").read_text())["history"]
+    assert history[-1][2] < history[0][2]
+    reference = ReferenceDraft(out / "draft-hf", write_hf_target(tmp_path / "target-hf", target))
+    model = _core.Model(str(target), n_ctx=256)
+    draft = _core.Draft(model, str(out / "draft.gguf"))
+    features = np.random.default_rng(3).standard_normal((20, draft.info()["n_target_features"])).astype(np.float32)
+    logits, tokens = draft.forward(features, np.arange(20, dtype=np.int32), 65, 20)
+    ref = reference.logits(features, 65, 20)
+    assert float(np.max(np.abs(logits - ref)) / np.max(np.abs(ref))) <= 1e-4
+    assert tokens == reference.proposal(features, 65, 20)
+
+    again = with_flags(command, out=tmp_path / "again", init=out / "draft.gguf", max_steps=1, lr="1e-12")
+    assert main(again) == 0
+    again_logits, again_tokens = _core.Draft(model, str(tmp_path / "again" / "draft.gguf")).forward(
+        features, np.arange(20, dtype=np.int32), 65, 20)
+    assert float(np.max(np.abs(again_logits - logits)) / np.max(np.abs(logits))) <= 1e-4
+    assert again_tokens == tokens
+    assert main(with_flags(again, out=tmp_path / "as-dflash1", arch="dflash")) == 2
+    assert "DFlash2 settings" in capsys.readouterr().err
+    assert main(with_flags(again, out=tmp_path / "other-rank", selector_rank=4)) == 2
+    assert "DFlash2 settings" in capsys.readouterr().err
 
 
 def test_a_draft_starts_a_run_that_reads_more_target_layers(trained, target, tmp_path, capsys):

@@ -98,6 +98,9 @@ class ConversionError(ValueError):
     """The checkpoint cannot be expressed as a dflash-draft GGUF; the message says why."""
 
 
+DFLASH2_SETTINGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
 @dataclass
 class Dflash2Settings:
     """A DFlash2 draft's in-block convolutions and candidate selector."""
@@ -599,7 +602,7 @@ def _write_flat_keys(writer: gguf.GGUFWriter, header: DraftHeader) -> None:
     assert header.dflash2 is not None
     writer.add_uint32("dflash.block_size", header.block_size)
     writer.add_array("dflash.target_layers", [i + 1 for i in header.target_layer_ids])
-    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+    for name in DFLASH2_SETTINGS:
         writer.add_uint32(f"dflash.{name}", getattr(header.dflash2, name))
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 DEFAULTS = {"layers": 2, "layout": "seed", "window": 128, "block_size": 8, "head_vocab": 16384}
+# DFlash2's settings as the published drafts have them
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--system", help="a system message first in every conversation (default: the chat "
                       "template's own; SmolLM2's makes the model end most first answers at once)")
     draft = parser.add_argument_group("draft")
+    draft.add_argument("--arch", choices=("dflash", "dflash2"), default="dflash",
+                       help="dflash2 adds each layer's in-block convolutions and the candidate selector (default "
+                            "dflash); --init with a DFlash1 draft grows it, proposing what it did at step 0")
+    for name, default in DFLASH2_DEFAULTS.items():
+        draft.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+                           help=f"with --arch dflash2 (default {default})")
     draft.add_argument("--layers", type=int, default=DEFAULTS["layers"], help="draft layers (default 2)")
     draft.add_argument("--layout", choices=("seed", "all-sliding"), default=DEFAULTS["layout"],
                        help="seed: sliding on every layer but the last; all-sliding")
@@ -235,7 +243,8 @@ def _run(args: argparse.Namespace) -> int:
         layer_types=draft.layer_types(args.layers, args.layout), sliding_window=args.window,
         num_attention_heads=hp["n_head"], num_key_value_heads=hp["n_head_kv"], head_dim=n_embd // hp["n_head"],
         intermediate_size=hp["n_ff"], block_size=args.block_size, mask_token_id=mask,
-        rope_theta=hp["rope_theta"], max_position_embeddings=hp["context_length"])
+        rope_theta=hp["rope_theta"], max_position_embeddings=hp["context_length"],
+        dflash2={name: getattr(args, name) for name in DFLASH2_DEFAULTS} if args.arch == "dflash2" else None)
     model = draft.DraftModel(cfg, embd, head)
     checkpoint = out / "checkpoint.pt"
     if not checkpoint.exists():

@@ -7,8 +7,11 @@ positions; one mask rule per layer type. Where the reference feeds one block at 
 feeds A blocks of one sequence at once: block i (anchor a_i) sees context rows p < a_i and its own
 rows, never another block's.
 
-The checkpoint this writes (config.json + model.safetensors) is a DFlashDraftModel that the
-reference package loads and `ikdflash convert` turns into a dflash-draft GGUF.
+A DFlash2 draft (cfg.dflash2) adds, in every layer, a causal convolution over each block's rows
+around attention and around the MLP, and the candidate selector after the head (docs/dflash.md).
+
+The checkpoint this writes (config.json + model.safetensors) is a DFlashDraftModel (or
+DFlash2DraftModel) that the reference package loads and `ikdflash convert` turns into a GGUF.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+import gguf
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ikdflash.convert import DFLASH1_LAYOUT, DFLASH2_LAYOUT, DFLASH2_SETTINGS, Layout, global_tensors, layer_tensors
 from ikdflash.hf import write_tensors
 
 
@@ -46,10 +51,17 @@ class DraftConfig:
     max_position_embeddings: int = 8192
     extra: dict = field(default_factory=dict)  # notes kept in config.json (how it was made)
     head_token_ids: list[int] | None = None    # the ids the head scores (None: all); set by training
+    # DFlash2: conv_kernel_size, conv_group_size, selector_rank, selector_top_k (None: DFlash1)
+    dflash2: dict[str, int] | None = None
 
     @property
     def n_layer(self) -> int:
         return len(self.layer_types)
+
+    def __post_init__(self) -> None:
+        if self.dflash2 and self.hidden_size % self.dflash2["conv_group_size"]:
+            raise ValueError(f"--conv-group-size {self.dflash2['conv_group_size']} does not divide the hidden size "
+                             f"{self.hidden_size}")
 
     def sliding(self, il: int) -> bool:
         return self.layer_types[il] == "sliding_attention"
@@ -57,7 +69,7 @@ class DraftConfig:
     def hf_config(self) -> dict:
         """config.json of a DFlashDraftModel (qwen3 layers), as the reference reads it."""
         return {
-            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "architectures": ["DFlash2DraftModel" if self.dflash2 else "DFlashDraftModel"], "model_type": "qwen3",
             "hidden_size": self.hidden_size, "num_hidden_layers": self.n_layer,
             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim, "intermediate_size": self.intermediate_size, "hidden_act": "silu",
@@ -68,7 +80,8 @@ class DraftConfig:
             "sliding_window": self.sliding_window, "max_window_layers": self.n_layer,
             "num_target_layers": self.num_target_layers, "block_size": self.block_size,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
-                              **({"head_token_ids": self.head_token_ids} if self.head_token_ids else {})},
+                              **({"head_token_ids": self.head_token_ids} if self.head_token_ids else {}),
+                              **(self.dflash2 or {})},
             "ikdflash_train": self.extra,
         }
 
@@ -109,6 +122,67 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, *, sliding: bool, causal: 
     return ok
 
 
+class BlockConv(nn.Module):
+    """DFlash2's convolution around a sublayer: row t of a block becomes the sum over taps j of
+    (base_kernel[stage, j] + that row's dynamic tap for j and its channel group) * row t - j, rows
+    before the block's first counting as zeros. Stage 0 (prepare) convolves the sublayer's normed
+    input and also returns the dynamic taps of stage 1 (finish), which convolves its output; both
+    stages' taps are projected from the normed input. It starts as the identity (tap 0 is 1, the
+    rest and the projection 0): a DFlash1 draft grown into DFlash2 computes what it did."""
+
+    def __init__(self, hidden: int, taps: int, group: int, block_size: int) -> None:
+        super().__init__()
+        self.taps, self.group, self.block_size = taps, group, block_size
+        base = torch.zeros(2, taps, hidden)
+        base[:, 0] = 1.0
+        self.base_kernel = nn.Parameter(base)
+        self.kernel_projection = nn.Linear(hidden, 2 * taps * (hidden // group), bias=False)
+        nn.init.zeros_(self.kernel_projection.weight)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        taps = self.kernel_projection(x).unflatten(-1, (2, self.taps, -1))  # [S, A*B, 2, taps, groups]
+        return self._convolve(x, taps[:, :, 0], 0), taps[:, :, 1]
+
+    def finish(self, x: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+        return self._convolve(x, taps, 1)
+
+    def _convolve(self, x: torch.Tensor, taps: torch.Tensor, stage: int) -> torch.Tensor:
+        S, QB, d = x.shape
+        B, groups = self.block_size, d // self.group
+        rows = x.view(S, QB // B, B, groups, self.group)
+        taps = taps.reshape(S, QB // B, B, self.taps, groups, 1)
+        out = torch.zeros_like(rows)
+        for j in range(min(self.taps, B)):
+            shifted = rows if j == 0 else F.pad(rows[:, :, :-j], (0, 0, 0, 0, j, 0))
+            out = out + self.base_kernel[stage, j].view(groups, self.group) * shifted
+            out = out + taps[:, :, :, j] * shifted
+        return out.view(S, QB, d)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's selector: a candidate's score is its logit plus
+    <predecessor_codebook[previous token] * hidden_projection(h), successor_codebook[candidate]>.
+    The successor codebook starts at 0, so the selector first keeps each row's best logit, and
+    the other two start at random, so that the codebook's first gradients are not 0."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        assert cfg.dflash2 is not None
+        rank = cfg.dflash2["selector_rank"]
+        self.top_k = cfg.dflash2["selector_top_k"]
+        self.predecessor_codebook = nn.Embedding(cfg.vocab_size, rank)
+        self.successor_codebook = nn.Embedding(cfg.vocab_size, rank)
+        self.hidden_projection = nn.Linear(cfg.hidden_size, rank, bias=False)
+        nn.init.normal_(self.predecessor_codebook.weight, std=0.02)
+        nn.init.zeros_(self.successor_codebook.weight)
+        nn.init.normal_(self.hidden_projection.weight, std=0.02)
+
+    def pair_scores(self, hidden: torch.Tensor, previous: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """The bilinear term for rows hidden [N, d] after tokens previous [N], of candidates [N, K]."""
+        query = self.predecessor_codebook(previous) * self.hidden_projection(hidden)
+        return torch.einsum("nr,nkr->nk", query, self.successor_codebook(candidates))
+
+
 class Layer(nn.Module):
     def __init__(self, cfg: DraftConfig, il: int) -> None:
         super().__init__()
@@ -126,6 +200,11 @@ class Layer(nn.Module):
         self.gate_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
+        self.attention_conv = self.mlp_conv = None
+        if cfg.dflash2:
+            taps, group = cfg.dflash2["conv_kernel_size"], cfg.dflash2["conv_group_size"]
+            self.attention_conv = BlockConv(d, taps, group, cfg.block_size)
+            self.mlp_conv = BlockConv(d, taps, group, cfg.block_size)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, block_pos: torch.Tensor,
                 anchors: torch.Tensor) -> torch.Tensor:
@@ -136,6 +215,8 @@ class Layer(nn.Module):
         L = ctx.shape[1]
         hd, h, hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         a = self.input_layernorm(x)
+        if self.attention_conv is not None:
+            a, attention_taps = self.attention_conv.prepare(a)
         q = rope(self.q_norm(self.q_proj(a).view(S, QB, h, hd)), block_pos, cfg.rope_theta)
         keys_in = torch.cat([ctx, a], dim=1)
         ctx_pos = torch.arange(L, device=x.device).expand(S, L)
@@ -157,9 +238,17 @@ class Layer(nn.Module):
         k = k.repeat_interleave(h // hk, dim=1)
         v = v.repeat_interleave(h // hk, dim=1)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=hd ** -0.5)
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(S, QB, h * hd))
+        attn_out = self.o_proj(attn.transpose(1, 2).reshape(S, QB, h * hd))
+        if self.attention_conv is not None:
+            attn_out = self.attention_conv.finish(attn_out, attention_taps)
+        x = x + attn_out
         n = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(n)) * self.up_proj(n))
+        if self.mlp_conv is not None:
+            n, mlp_taps = self.mlp_conv.prepare(n)
+        mlp_out = self.down_proj(F.silu(self.gate_proj(n)) * self.up_proj(n))
+        if self.mlp_conv is not None:
+            mlp_out = self.mlp_conv.finish(mlp_out, mlp_taps)
+        return x + mlp_out
 
 
 class DraftModel(nn.Module):
@@ -179,6 +268,12 @@ class DraftModel(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
+        for layer in self.layers:  # the convolutions start as the identity (BlockConv)
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                if conv is not None:
+                    nn.init.zeros_(conv.kernel_projection.weight)
+        # made after the loop above: its own initialisation stands
+        self.candidate_selector = CandidateSelector(cfg) if cfg.dflash2 else None
 
     def hidden(self, features: torch.Tensor, block_tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Final normed hidden states of every block row: [S, A*B, d]."""
@@ -197,7 +292,10 @@ class DraftModel(nn.Module):
 
 
 def reference_name(name: str) -> str:
-    """A weight's name in the reference model: our modules drop its "self_attn." and "mlp." levels."""
+    """A weight's name in the reference model: our modules drop its "self_attn." and "mlp." levels,
+    and its checkpoints name the selector's codebooks without ".weight"."""
+    if name.startswith("candidate_selector.") and name.endswith("_codebook.weight"):
+        return name.removesuffix(".weight")
     for proj in ("gate_proj", "up_proj", "down_proj"):
         name = name.replace(f".{proj}.", f".mlp.{proj}.")
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
@@ -267,8 +365,55 @@ def _spread_columns(fc: np.ndarray, their_ids: list[int], our_ids: list[int]) ->
     return spread
 
 
+def is_dflash2_weight(name: str) -> bool:
+    return "_conv." in name or name.startswith("candidate_selector.")
+
+
+@dataclass
+class DraftFile:
+    """What a draft GGUF says of itself, in either layout (as the fork reads it)."""
+
+    reader: gguf.GGUFReader
+    layout: Layout
+    n_layer: int
+    sliding: list[bool]
+    target_layer_ids: list[int]
+    mask_token_id: int
+    head_token_ids: list[int] | None
+    dflash2: dict[str, int] | None
+
+
+def read_draft_file(path: str | Path) -> DraftFile:
+    from ikdflash.pair import gguf_field, open_gguf
+
+    reader = open_gguf(path, "draft")
+    arch = gguf_field(reader, "general.architecture", None)
+    layout = {DFLASH1_LAYOUT.arch: DFLASH1_LAYOUT, DFLASH2_LAYOUT.arch: DFLASH2_LAYOUT}.get(arch)
+    if layout is None:
+        raise ValueError(f"draft {path}: not a DFlash draft (architecture {arch!r})")
+
+    def field(key: str, default: object = None) -> object:
+        return gguf_field(reader, f"{arch}.{key}", default)
+
+    n_layer = int(field("block_count"))
+    window = int(field("attention.sliding_window", 0))
+    # as the fork reads it: no window, no sliding layer; a window without a pattern slides them all
+    sliding = [window > 0 and bool(x) for x in field("attention.sliding_window_pattern", [True] * n_layer)]
+    if layout is DFLASH1_LAYOUT:
+        ids, mask = field("dflash.target_layer_ids"), field("dflash.mask_token_id")
+    else:  # the tokenizer's mask token; target layers numbered from 1 in files that have it there
+        mask = gguf_field(reader, "tokenizer.ggml.mask_token_id", None)
+        ids = [int(i) - (mask is not None) for i in field("target_layers")]
+        mask = mask if mask is not None else field("mask_token_id")
+    head = field("dflash.head_token_ids", None)
+    dflash2 = {name: int(field(name)) for name in DFLASH2_SETTINGS} if field(DFLASH2_SETTINGS[0]) else None
+    return DraftFile(reader=reader, layout=layout, n_layer=n_layer, sliding=sliding,
+                     target_layer_ids=[int(i) for i in ids], mask_token_id=int(mask),
+                     head_token_ids=[int(i) for i in head] if head is not None else None, dflash2=dflash2)
+
+
 def init_from_draft(model: DraftModel, path: str | Path) -> None:
-    """Start every trainable weight from an existing dflash-draft GGUF of the same configuration: to
+    """Start every trainable weight from an existing draft GGUF of the same configuration: to
     go on training a shipped draft (Q8_0 is close enough to its floats) on a fork whose target
     states changed. A draft with fewer layers grows: its layers become this model's top ones, and
     the layers below keep their weights (e.g. the target's) with their output projections zeroed, so
@@ -277,48 +422,42 @@ def init_from_draft(model: DraftModel, path: str | Path) -> None:
     model's target layers starts it too: the features of the others start with weight 0. Its window
     may differ from this model's (no weight depends on it): a draft widening its window starts out
     seeing context it never learnt from, so expect a dip before training pays. Its head's cut, if
-    any, becomes the model's cfg.head_token_ids (training keeps it when asked for as many ids)."""
+    any, becomes the model's cfg.head_token_ids (training keeps it when asked for as many ids). A
+    DFlash1 draft starts a DFlash2 model too: its convolutions and selector keep their neutral
+    start (BlockConv, CandidateSelector), so it proposes what the DFlash1 draft did."""
     from gguf.quants import dequantize
 
-    from ikdflash.convert import DFLASH1_LAYOUT, global_tensors, layer_tensors
-    from ikdflash.pair import gguf_field, open_gguf
-
-    arch = DFLASH1_LAYOUT.arch
-    reader = open_gguf(path, "draft")
-    if gguf_field(reader, "general.architecture", None) != arch:
-        raise ValueError(f"draft {path}: not a DFlash draft (architecture "
-                         f"{gguf_field(reader, 'general.architecture', None)!r})")
+    source = read_draft_file(path)
     cfg = model.cfg
-    n_theirs = int(gguf_field(reader, f"{arch}.block_count"))
+    n_theirs = source.n_layer
     if n_theirs > cfg.n_layer:
         raise ValueError(f"draft {path}: {n_theirs} layers, more than this run's draft has ({cfg.n_layer})")
     n_new = cfg.n_layer - n_theirs
-    their_window = int(gguf_field(reader, f"{arch}.attention.sliding_window", 0))
-    # as the fork reads it: no window, no sliding layer; a window without a pattern slides them all
-    theirs_sliding = [their_window > 0 and bool(x) for x in
-                      gguf_field(reader, f"{arch}.attention.sliding_window_pattern", [True] * n_theirs)]
     ours_sliding = [cfg.sliding(il) for il in range(n_new, cfg.n_layer)]
-    their_ids = [int(x) for x in gguf_field(reader, f"{arch}.dflash.target_layer_ids")]
+    their_ids = source.target_layer_ids
     # a draft reading some of this run's target layers starts it: the others' features weigh 0
     reads_ours = set(their_ids) <= set(cfg.target_layer_ids)
     header = {"target layer ids": (their_ids if not reads_ours else list(cfg.target_layer_ids),
                                    list(cfg.target_layer_ids)),
-              "mask token": (int(gguf_field(reader, f"{arch}.dflash.mask_token_id")), cfg.mask_token_id),
-              "sliding layers": (theirs_sliding, ours_sliding)}
+              "mask token": (source.mask_token_id, cfg.mask_token_id),
+              "sliding layers": (source.sliding, ours_sliding),
+              # a DFlash1 draft grows into DFlash2 (its convolutions and selector start neutral)
+              "DFlash2 settings": (source.dflash2, cfg.dflash2 if source.dflash2 else None)}
     for what, (theirs, ours) in header.items():
         if theirs != ours:
             where = f" (its top {n_theirs})" if n_new and what == "sliding layers" else ""
             raise ValueError(f"draft {path}: {what} {theirs}, but this run's draft{where} has {ours}")
-    their_head = gguf_field(reader, f"{arch}.dflash.head_token_ids", None)
-    cfg.head_token_ids = [int(i) for i in their_head] if their_head is not None else None
+    cfg.head_token_ids = source.head_token_ids
     # their layer il is our layer il + n_new
-    gguf_names = global_tensors(DFLASH1_LAYOUT) | {
+    layout, dflash2 = source.layout, source.dflash2 is not None
+    gguf_names = global_tensors(layout, dflash2) | {
         f"layers.{il + n_new}.{hf}": f"blk.{il}.{gguf_name}"
-        for il in range(n_theirs) for hf, gguf_name in layer_tensors(DFLASH1_LAYOUT).items()}
+        for il in range(n_theirs) for hf, gguf_name in layer_tensors(layout, dflash2).items()}
     state = model.state_dict()
     new_layers = tuple(f"layers.{il}." for il in range(n_new))
-    ours_by_gguf = {gguf_names[reference_name(name)]: name for name in state if not name.startswith(new_layers)}
-    found = {t.name: t for t in reader.tensors}
+    ours_by_gguf = {gguf_names[reference_name(name)]: name for name in state
+                    if not name.startswith(new_layers) and (dflash2 or not is_dflash2_weight(name))}
+    found = {t.name: t for t in source.reader.tensors}
     missing = sorted(set(ours_by_gguf) - set(found))
     if missing:
         raise ValueError(f"draft {path}: no tensor {', '.join(missing[:3])}")

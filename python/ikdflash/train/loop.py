@@ -124,9 +124,11 @@ class Batches:
             p[~first] *= (1 - settings.first_share) / p[~first].sum()
         self.p = p / p.sum()
 
-    def labels(self, tokens: np.ndarray, greedy: np.ndarray, a: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Labels of block positions 1..B-1 for anchor a of one sequence, their loss weights
-        (0: no label) and whether each is on the target's own path."""
+    def labels(self, tokens: np.ndarray, greedy: np.ndarray,
+               a: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Labels of block positions 1..B-1 for anchor a of one sequence (rows of the cut head),
+        their loss weights (0: no label), whether each is on the target's own path, and the label
+        tokens themselves (vocabulary ids, which a DFlash2 selector reads as predecessors)."""
         B, length = self.B, len(tokens)
         lab = np.zeros(B - 1, dtype=np.int64)
         weight = np.zeros(B - 1, dtype=np.float32)
@@ -146,7 +148,7 @@ class Batches:
                 on_path[j - 1] = path
         mapped = self.label_map[lab]
         weight[mapped < 0] = 0.0
-        return mapped, weight, on_path & (mapped >= 0)
+        return mapped, weight, on_path & (mapped >= 0), lab
 
     def sample(self, rng: np.random.Generator) -> dict[str, torch.Tensor]:
         S, A, B = self.s.sequences_per_step, self.s.anchors_per_sequence, self.B
@@ -159,6 +161,7 @@ class Batches:
         features = np.zeros((S, L, self.width), dtype=np.float16)  # as stored: half the bytes to copy and move
         block = np.full((S, A, B), self.mask, dtype=np.int64)
         labels = np.zeros((S, A, B - 1), dtype=np.int64)
+        label_tokens = np.zeros((S, A, B - 1), dtype=np.int64)
         weight = np.zeros((S, A, B - 1), dtype=np.float32)
         on_path = np.zeros((S, A, B - 1), dtype=bool)
         K = self.top_k
@@ -172,7 +175,8 @@ class Batches:
             for j, a in enumerate(anchors[i]):
                 if a >= 0:
                     block[i, j, 0] = tokens[a]
-                    labels[i, j], weight[i, j], on_path[i, j] = self.labels(tokens, greedy, int(a))
+                    (labels[i, j], weight[i, j], on_path[i, j],
+                     label_tokens[i, j]) = self.labels(tokens, greedy, int(a))
             if K:
                 # position j's distribution is the one after row a+j-1
                 rows = anchors[i][:, None] + np.arange(B - 1)
@@ -182,6 +186,7 @@ class Batches:
                 soft_logits[i][valid] = np.where(ids >= 0, np.asarray(data.top_logits[start + rows[valid], :K]), -np.inf)
         batch = {"features": torch.from_numpy(features), "block": torch.from_numpy(block),
                  "anchors": torch.from_numpy(anchors), "labels": torch.from_numpy(labels),
+                 "label_tokens": torch.from_numpy(label_tokens),
                  "weight": torch.from_numpy(weight), "on_path": torch.from_numpy(on_path)}
         if K:
             batch["soft_ids"] = torch.from_numpy(soft_ids)
@@ -205,17 +210,40 @@ def label_rows(ids: np.ndarray, vocab: int) -> np.ndarray:
     return label_map
 
 
+def selector_loss(model: DraftModel, hidden: torch.Tensor, logits: torch.Tensor, batch: dict[str, torch.Tensor],
+                  labelled: torch.Tensor, head_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DFlash2 selector's cross-entropy, per labelled row, over that row's top_k candidates
+    (the ids the head scores best) given the previous label as the predecessor (the anchor for
+    position 1): teacher-forced, as acceptance is (a row counts only when every row before it
+    was right, and then its predecessor is the label). The logits enter detached: the head is
+    trained by the token loss, the selector learns what to add to it. Rows whose label is not a
+    candidate, which the selector cannot choose, weigh 0. Also each row's choice (a head row)."""
+    selector = model.candidate_selector
+    labels = batch["labels"][labelled]
+    previous = torch.cat([batch["block"][:, :, :1], batch["label_tokens"][:, :, :-1]], dim=2)[labelled]
+    top = min(selector.top_k, logits.shape[-1])
+    unary, candidates = torch.topk(logits.detach(), top, dim=-1)
+    scores = unary + selector.pair_scores(hidden, previous, head_ids[candidates])
+    is_label = candidates == labels[:, None]
+    per_row = F.cross_entropy(scores, is_label.to(torch.int64).argmax(-1), reduction="none")
+    per_row = torch.where(is_label.any(-1), per_row, 0.0)
+    return per_row, candidates.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+
+
 def step_loss(model: DraftModel, batch: dict[str, torch.Tensor], head: torch.Tensor, weights: torch.Tensor,
-              n_max: int, soft_labels: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+              n_max: int, soft_labels: float = 0.0,
+              head_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted cross-entropy over the labelled block positions (a soft_labels share of it
-    towards the batch's soft_probs over soft_ids), and each anchor's accepted length: consecutive
-    argmax hits on the target's path at positions 1..n_max (-1: unused anchor; "corpus" labels
-    count as the path)."""
+    towards the batch's soft_probs over soft_ids; a DFlash2 draft adds its selector's, for which
+    head_ids are the vocabulary ids of the head's rows), and each anchor's accepted length:
+    consecutive hits (the argmax, or the selector's choice) on the target's path at positions
+    1..n_max (-1: unused anchor; "corpus" labels count as the path)."""
     S, A = batch["anchors"].shape
     B = model.cfg.block_size
     hidden = model.hidden(batch["features"], batch["block"], batch["anchors"]).view(S, A, B, -1)[:, :, 1:]
     labelled = batch["weight"] > 0
     logits = hidden[labelled] @ head.T
+    choice = logits.argmax(-1)
     w = (weights.expand(S, A, B - 1) * batch["weight"])[labelled]
     per_position = F.cross_entropy(logits, batch["labels"][labelled], reduction="none")
     if soft_labels:
@@ -223,10 +251,14 @@ def step_loss(model: DraftModel, batch: dict[str, torch.Tensor], head: torch.Ten
         probs = batch["soft_probs"][labelled]
         soft = -torch.where(probs > 0, probs * log_q, 0.0).sum(-1)  # dropped ids weigh nothing, whatever their log_q
         per_position = (1 - soft_labels) * per_position + soft_labels * soft
+    if model.candidate_selector is not None:
+        assert head_ids is not None
+        selected, choice = selector_loss(model, hidden[labelled], logits, batch, labelled, head_ids)
+        per_position = per_position + selected
     loss = (per_position * w).sum() / w.sum().clamp(min=1e-9)
     with torch.no_grad():
         hit = torch.zeros(S, A, B - 1, dtype=torch.bool, device=labelled.device)
-        hit[labelled] = logits.argmax(-1) == batch["labels"][labelled]
+        hit[labelled] = choice == batch["labels"][labelled]
         hit &= batch["on_path"]
         accepted = hit[:, :, :n_max].to(torch.int64).cumprod(-1).sum(-1)
         accepted[batch["anchors"] < 0] = -1
@@ -276,7 +308,8 @@ def train(model: DraftModel, datasets: Sequence[Dataset], settings: TrainSetting
     else:
         ids = head_subset(datasets, cfg.vocab_size, settings.head_vocab)
     cfg.head_token_ids = [int(i) for i in ids] if len(ids) < cfg.vocab_size else None
-    head = model.head[torch.from_numpy(ids).to(device)]
+    head_ids = torch.from_numpy(ids).to(device)
+    head = model.head[head_ids]
     weights = decay_weights(cfg.block_size, settings.gamma).to(device)
     batches = Batches(datasets, cfg.block_size, cfg.mask_token_id, settings, label_rows(ids, cfg.vocab_size))
 
@@ -305,7 +338,7 @@ def train(model: DraftModel, datasets: Sequence[Dataset], settings: TrainSetting
         for group in optimizer.param_groups:
             group["lr"] = _lr(settings, state.step, fraction)
         batch = {name: tensor.to(device) for name, tensor in batches.sample(rng).items()}
-        loss, accepted = step_loss(model, batch, head, weights, settings.n_max, settings.soft_labels)
+        loss, accepted = step_loss(model, batch, head, weights, settings.n_max, settings.soft_labels, head_ids)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
