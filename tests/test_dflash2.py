@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import pytest
 
-from ikdflash import Engine, _core
+from ikdflash import Engine, _core, build_info
 from ikdflash.convert import convert
 from ikdflash.tinydraft import write_hf_target, write_tiny_draft
 from gguf_edit import DROP, rewrite
@@ -183,6 +183,20 @@ def test_greedy_speculation_is_lossless(engine_pair, adaptive):
             assert spec.tokens == plain.tokens, f"n_max={n_max}"
             st = spec.stats
             assert st.generated == len(spec.tokens) == 1 + st.accepted + st.steps
+
+
+def test_the_draft_runs_where_the_target_keeps_its_head(engine_pair):
+    """With the target's layers offloaded the draft follows its head onto the GPU (its selector's
+    codebooks read on the host), and speculation stays the target alone's; a CPU build runs both
+    cases on the CPU."""
+    target, draft = engine_pair
+    gpu = "CUDA0" if "CUDA" in build_info()["backends"] else "CPU"
+    for n_gpu_layers, expected in ((0, "CPU"), (99, gpu)):
+        with Engine(target, draft, n_ctx=256, n_batch=16, n_gpu_layers=n_gpu_layers) as engine:
+            assert engine.draft_device == expected
+            plain = engine.generate(PROMPT, max_tokens=24)
+            spec = engine.speculate(PROMPT, max_tokens=24, n_max=4, adaptive=False)
+            assert spec.tokens == plain.tokens and spec.stats.drafted > 0
 
 
 @pytest.fixture(scope="module")
