@@ -1,5 +1,5 @@
 // DFlash draft: loading and checking the GGUF, the cross-context, and the draft step graph.
-// The math is docs/dflash.md; names of keys and tensors are docs/gguf-dflash.md.
+// The math is docs/dflash.md; names of keys and tensors are docs/gguf.md.
 
 #include "dflash.h"
 #include "dflash-impl.h"
@@ -179,7 +179,7 @@ constexpr const char * k_tensor_selector_hidden = "selector_hidden.weight";
 constexpr const char * k_tensor_selector_predecessor = "selector_predecessor.weight";
 constexpr const char * k_tensor_selector_successor = "selector_successor.weight";
 
-// How the two draft formats name things (docs: gguf-dflash.md §4.4).
+// How the two draft formats name things (docs/gguf.md).
 struct draft_format {
     const char * arch;
     const char * fc;

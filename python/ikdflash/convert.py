@@ -9,7 +9,7 @@ DRAFT_DIR holds config.json (architecture DFlashDraftModel or DFlash2DraftModel)
 the target's Hugging Face folder (config.json + tokenizer.json) or its GGUF file: the draft reads
 the target's tokenizer, hidden size and layer count from it.
 
-The file is what ik_llama.cpp itself writes (see docs: the format), with two corrections and
+The file is what ik_llama.cpp itself writes (docs/gguf.md), with two corrections and
 four additions:
   * the RoPE base is read wherever the config keeps it (top-level rope_theta or
     rope_parameters.rope_theta; ik's converter silently falls back to 10000 for the latter);
