@@ -7,7 +7,7 @@ in a worker process through `_core.Draft`, then runs one draft step; with --serv
 `llama-server --model-draft`. A case passes when the file loads and steps, or is refused with a
 message; it fails on a signal, an exit without a verdict, or a timeout.
 
-    python tests/fuzz_draft.py --cases 1000 --seed 0 [--server-every 10] [--report out.json]
+    python tests/fuzz_draft.py --cases 1000 --seed 0 [--server-every 10] [--report out.json] [--dflash2]
 
 tests/test_fuzz.py runs a small slice of it in the default test run.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import struct
 import sys
 import tempfile
 from pathlib import Path
@@ -44,6 +45,19 @@ for line in sys.stdin:
 """
 
 
+# A scalar header value's extremes by type: struct format and values (NaN and infinities for floats).
+_T = gguf.GGUFValueType
+EXTREMES = {
+    _T.FLOAT32: ("f", [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, -1.0, 3.4028235e38, -3.4028235e38,
+                       1e-45, 1e-30]),
+    _T.UINT32: ("I", [0, 1, 2**31 - 1, 2**31, 2**32 - 1]),
+    _T.INT32: ("i", [0, 1, -1, 2**31 - 1, -2**31]),
+    _T.UINT64: ("Q", [0, 1, 2**63 - 1, 2**64 - 1]),
+    _T.INT64: ("q", [0, -1, 2**63 - 1, -2**63]),
+    _T.BOOL: ("B", [0, 1, 2, 255]),
+}
+
+
 class Mutator:
     """One valid draft's bytes and the layout of its header (where each KV and tensor info sits)."""
 
@@ -63,13 +77,21 @@ class Mutator:
         self.header_end = min(int(t.data_offset) for t in reader.tensors)
 
     def mutate(self, rng: random.Random) -> tuple[str, bytes]:
-        kind = rng.choice(["kv_type", "kv_value", "array_length", "tensor_rank", "tensor_dim", "tensor_type",
-                           "tensor_offset", "truncate", "bit_flips"])
+        kind = rng.choice(["kv_type", "kv_value", "kv_extreme", "array_length", "tensor_rank", "tensor_dim",
+                           "tensor_type", "tensor_offset", "truncate", "bit_flips"])
         data = bytearray(self.data)
         if kind == "kv_type":
             (off, _), _, _ = rng.choice(self.kvs)
             value = rng.randrange(0, 14)
             data[off:off + 4] = value.to_bytes(4, "little")
+            return f"{kind}={value}@{off}", bytes(data)
+        if kind == "kv_extreme":
+            scalars = [kv for kv in self.kvs if kv[2][0] in EXTREMES]
+            _, parts, types = rng.choice(scalars)
+            off, size = parts[-1]
+            fmt, values = EXTREMES[types[0]]
+            value = rng.choice(values)
+            data[off:off + size] = struct.pack("<" + fmt, value)
             return f"{kind}={value}@{off}", bytes(data)
         if kind in ("kv_value", "array_length"):
             candidates = [kv for kv in self.kvs if (kv[2][0] == gguf.GGUFValueType.ARRAY) == (kind == "array_length")]
@@ -162,18 +184,23 @@ def main() -> int:
     parser.add_argument("--server-every", type=int, default=10, help="also load every N-th case in llama-server")
     parser.add_argument("--target", type=Path, help="target GGUF (default: a tiny llama made here)")
     parser.add_argument("--draft", type=Path, help="draft GGUF to mutate (default: a tiny draft for the target)")
+    parser.add_argument("--dflash2", action="store_true", help="the default tiny draft is a DFlash2 draft")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ikdflash-fuzz-pair-") as folder:
         target, draft = args.target, args.draft
         if target is None or draft is None:
-            target, draft = tiny_pair(Path(folder))
+            target, draft = tiny_pair(Path(folder), DFLASH2 if args.dflash2 else None)
         progress = Progress(args.cases)
         results = run(target, draft, args.cases, args.seed, args.server_every, args.timeout, progress)
     return finish(results, progress, args.report)
 
 
-def tiny_pair(folder: Path) -> tuple[Path, Path]:
-    """A tiny llama target and a 3-layer sliding-window draft converted for it."""
+# a small DFlash2 draft's settings: every key and tensor of the format, two taps, a few candidates
+DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
+
+
+def tiny_pair(folder: Path, dflash2: dict[str, int] | None = None) -> tuple[Path, Path]:
+    """A tiny llama target and a 3-layer sliding-window draft (DFlash2 with dflash2) converted for it."""
     from ikdflash.convert import convert
     from ikdflash.tinydraft import write_hf_target, write_tiny_draft
     from ikdflash.tinymodels import write_tiny_model
@@ -181,7 +208,7 @@ def tiny_pair(folder: Path) -> tuple[Path, Path]:
     hf = write_hf_target(folder / "target-hf", target)
     checkpoint = write_tiny_draft(folder / "draft", hf, target_layer_ids=[0, 2], block_size=8,
                                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                                  sliding_window=8)
+                                  sliding_window=8, dflash2=dflash2)
     return target, convert(checkpoint, hf, outtype="q8_0", outfile=folder / "draft.gguf", log=lambda _: None)
 
 

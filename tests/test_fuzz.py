@@ -34,6 +34,19 @@ def test_mutated_drafts_never_crash_or_hang(pair):
     assert all(case.detail for case in results if case.outcome == "refused")
 
 
+def test_mutated_dflash2_drafts_never_crash_or_hang(tiny_model, tiny_draft):
+    """The same with a DFlash2 draft: its four keys, its convolutions' and selector's tensors."""
+    from fuzz_draft import DFLASH2
+
+    target = tiny_model("llama")
+    draft = tiny_draft(target, target_layer_ids=[0, 2], block_size=8, dflash2=DFLASH2,
+                       layer_types=["sliding_attention"] * 2 + ["full_attention"], sliding_window=8)
+    results = run(target, draft, cases=60, seed=54321, server_every=20, timeout=20)
+    assert not [case for case in results if case.outcome in ("crash", "hang")]
+    assert summary(results).get("core:refused", 0) > 30
+    assert all(case.detail for case in results if case.outcome == "refused")
+
+
 @pytest.fixture(scope="module")
 def model(pair):
     m = _core.Model(str(pair[0]), n_ctx=256, n_threads=1)
@@ -55,6 +68,13 @@ def retyped(src, dst, key, value):
     ("dflash-draft.dflash.is_causal", 7, "dflash.is_causal' is not a bool"),
     ("tokenizer.ggml.tokens", list(range(10)), "'tokenizer.ggml.tokens' is not an array of strings"),
     ("general.architecture", 3, "'general.architecture' is not a string"),
+    # ggml's rms_norm asserts eps > 0: NaN passed a plain "<= 0" check and aborted the first step
+    ("dflash-draft.attention.layer_norm_rms_epsilon", float("nan"), "layer_norm_rms_epsilon' is nan, not a finite"),
+    ("dflash-draft.attention.layer_norm_rms_epsilon", 0.0, "layer_norm_rms_epsilon' is 0, not above 0"),
+    ("dflash-draft.rope.freq_base", float("inf"), "rope.freq_base' is inf, not a finite number"),
+    ("dflash-draft.rope.freq_base", -5.0, "rope.freq_base' is -5, not above 0"),
+    ("dflash-draft.dflash.output_multiplier", float("-inf"), "output_multiplier' is -inf, not a finite number"),
+    ("dflash-draft.dflash.final_logit_softcapping", -1.0, "final_logit_softcapping' is -1, not at least 0"),
 ])
 def test_hostile_metadata_is_refused_by_name(pair, model, tmp_path, key, value, reason):
     """Before, these crashed or hung the process: a graph too small for the layers, a getter of

@@ -11,6 +11,7 @@
 #include "llama-model.h"  // the target's token_embd / output tensors
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -96,7 +97,9 @@ struct gguf_meta {
         return (int) v;
     }
 
-    float real(const std::string & key, float fallback) const {
+    // A float key, finite and at least lo (above it when strict); a missing key gives fallback.
+    // ggml's ops assert on some values (a norm's epsilon of 0 or NaN), so every one is checked.
+    float real(const std::string & key, float fallback, float lo = -FLT_MAX, bool strict = false) const {
         const int id = find(key);
         if (id < 0) {
             return fallback;
@@ -104,7 +107,14 @@ struct gguf_meta {
         if (gguf_get_kv_type(ctx, id) != GGUF_TYPE_FLOAT32) {
             fail("key '%s' is not a float32", key.c_str());
         }
-        return gguf_get_val_f32(ctx, id);
+        const float v = gguf_get_val_f32(ctx, id);
+        if (!std::isfinite(v)) {
+            fail("key '%s' is %g, not a finite number", key.c_str(), v);
+        }
+        if (v < lo || (strict && v == lo)) {
+            fail("key '%s' is %g, not %s %g", key.c_str(), v, strict ? "above" : "at least", lo);
+        }
+        return v;
     }
 
     // Integer or bool array (a scalar is repeated n times when n > 0).
@@ -431,8 +441,8 @@ void read_hparams(dflash_draft & d, const gguf_meta & m) {
     d.n_head_kv = m.bounded(p + "attention.head_count_kv", d.n_head, 1, k_max_heads);
     d.head_dim = m.bounded(p + "attention.key_length", d.n_embd / d.n_head, 1, k_max_width);
     d.n_ctx_train = m.bounded(p + "context_length", 0, 0, INT32_MAX);
-    d.rms_eps = m.real(p + "attention.layer_norm_rms_epsilon", -1.0f);
-    d.rope_base = m.real(p + "rope.freq_base", 10000.0f);
+    d.rms_eps = m.real(p + "attention.layer_norm_rms_epsilon", -1.0f, 0.0f, true);
+    d.rope_base = m.real(p + "rope.freq_base", 10000.0f, 0.0f, true);
     if (d.n_layer < 1 || d.n_embd < 1 || d.n_head < 1 || d.n_head_kv < 1 || d.head_dim < 1 || d.n_ff < 1) {
         fail("invalid sizes: %d layers, embedding %d, %d/%d heads of %d, ffn %d", d.n_layer, d.n_embd, d.n_head,
              d.n_head_kv, d.head_dim, d.n_ff);
@@ -513,7 +523,8 @@ void read_hparams(dflash_draft & d, const gguf_meta & m) {
     read_dflash2_hparams(d, m);
     d.embedding_scale = m.real(p + d.format->embedding_scale, 1.0f);
     d.output_multiplier = m.real(p + d.format->output_multiplier, 1.0f);
-    d.logit_softcap = m.real(p + "dflash.final_logit_softcapping", m.real(p + "final_logit_softcapping", 0.0f));
+    d.logit_softcap = m.real(p + "dflash.final_logit_softcapping", m.real(p + "final_logit_softcapping", 0.0f, 0.0f),
+                             0.0f);
 }
 
 // The weight types the draft's graph computes with: F32 norms; matrices in these types.
