@@ -9,6 +9,9 @@ import ikdflash
 from ikdflash import doctor, fork
 
 PIN_FILE = Path(__file__).resolve().parents[1] / "third_party" / "ik_llama" / "pin.txt"
+# the base commit as pin.txt, the one place for the pin, names it
+PINNED_COMMIT = next(line.split("=", 1)[1].strip() for line in PIN_FILE.read_text().splitlines()
+                     if line.startswith("commit="))
 
 
 def test_version_and_backends():
@@ -21,13 +24,13 @@ def test_version_and_backends():
 def test_pin_matches_the_repository():
     installed = fork.base_pin()
     assert f"sha256={installed['sha256']}" in PIN_FILE.read_text()
-    assert installed["commit"] == "55d3c05"
+    assert installed["commit"] == PINNED_COMMIT
 
 
 def test_packaged_server_reports_the_base_commit():
     server = fork.server_binary()
     assert server.parent.name == "bin" and server.parent.parent == fork.PACKAGE_DIR
-    assert "55d3c05" in fork.server_version()
+    assert PINNED_COMMIT in fork.server_version()
 
 
 def test_doctor_json_is_complete():
@@ -35,7 +38,7 @@ def test_doctor_json_is_complete():
                          capture_output=True, text=True, check=True, cwd="/")
     report = json.loads(out.stdout)
     assert report["problems"] == []
-    assert report["base_commit"] == "55d3c05"
+    assert report["base_commit"] == PINNED_COMMIT
     assert report["patches"] == fork.patches()
     assert report["llama_server"] == str(fork.server_binary())
 
