@@ -2,6 +2,7 @@
 (dflash.head_token_ids), per number of tokens proposed, and what the cut does to acceptance.
 
     python benchmarks/draft_head.py [--ids 16384 8192] [--tokens 96] [--repeats 3] [--keep DIR] [--json out.json]
+    python benchmarks/draft_head.py --ids --draft dflash2=runs/d2/train/draft.gguf   # another draft's step
 
 The cut is the --ids most frequent ids of the target's own greedy tokens over training
 conversations (never the held-out ones), written into a copy of the shipped draft; when the
@@ -10,6 +11,7 @@ others low). --keep DIR keeps the copies there (cut-N.gguf), e.g. to ship one. E
 speculates greedily on chat questions at fixed n_max 1..4 (a step proposes n_max tokens); the
 drafts take turns within each repeat, in one process, and the medians of draft milliseconds per
 step are reported with acceptance: compare ratios, not absolute times (shared, noisy machines).
+--draft NAME=PATH adds a draft of the same pair to the comparison (a DFlash2 draft, say).
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ def frequent_ids(target: Path, n_conversations: int = 200) -> np.ndarray:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ids", type=int, nargs="+", default=[16384, 8192])
+    parser.add_argument("--ids", type=int, nargs="*", default=[16384, 8192])
+    parser.add_argument("--draft", action="append", default=[], metavar="NAME=PATH",
+                        help="another draft for the built-in target to time beside the shipped one")
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -64,9 +68,9 @@ def main() -> int:
     args = parser.parse_args()
 
     target, shipped = resolve_pair(DEFAULT_PAIR)
-    ranked = frequent_ids(target)
     fields = gguf.GGUFReader(shipped).fields
     key = next(k for k in fields if k.endswith(".dflash.block_size")).replace("block_size", "head_token_ids")
+    ranked = frequent_ids(target) if args.ids else np.arange(0)
     if key in fields:
         ranked = ranked[np.isin(ranked, np.asarray(fields[key].contents()))]
     with tempfile.TemporaryDirectory() as tmp:
@@ -76,6 +80,9 @@ def main() -> int:
         for n in args.ids:
             drafts[f"cut {n}"] = rewrite(shipped, folder / f"cut-{n}.gguf",
                                          fields={key: sorted(int(i) for i in ranked[:n])})
+        for named in args.draft:
+            name, _, path = named.partition("=")
+            drafts[name] = Path(path)
         engines = {name: Engine(target, path, n_threads=args.threads) for name, path in drafts.items()}
         prompts = chat_prompts(engines["shipped"], QUESTIONS)
         ms: dict[tuple[str, int], list[float]] = {}

@@ -15,8 +15,9 @@ import pytest
 
 from ikdflash import Engine, _core, build_info
 from ikdflash.convert import convert
-from ikdflash.tinydraft import write_hf_target, write_tiny_draft
+from ikdflash.tinydraft import write_tiny_draft
 from gguf_edit import DROP, rewrite
+from test_draft import target  # noqa: F401  (a tiny qwen3 target: GGUF, HF folder, loaded model)
 
 WINDOW = 8
 SWA = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW)
@@ -34,16 +35,6 @@ CASES = {
 def dflash2(settings: tuple[int, int, int, int]) -> dict[str, int]:
     names = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
     return dict(zip(names, settings))
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model, tmp_path_factory):
-    """A tiny qwen3 target as GGUF (for the fork) and as a HF folder (for the reference)."""
-    gguf_path = tiny_model("qwen3")
-    hf = write_hf_target(tmp_path_factory.mktemp("hf-target"), gguf_path)
-    model = _core.Model(str(gguf_path), n_ctx=256)
-    yield gguf_path, hf, model
-    model.close()
 
 
 def make_draft(folder, hf, case: str, outtype: str = "f32", **extra):

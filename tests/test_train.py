@@ -42,6 +42,36 @@ def with_flags(argv, **values):
     return changed
 
 
+def same_step(target, first, second) -> tuple[dict, dict]:
+    """Two drafts' step on the same 24 context rows: the second's logits within 1e-4 of the
+    first's, and the same tokens. Their info()."""
+    model = _core.Model(str(target), n_ctx=256)
+    drafts = [_core.Draft(model, str(path)) for path in (first, second)]
+    features = np.random.default_rng(4).standard_normal((24, drafts[0].info()["n_target_features"]))
+    positions = np.arange(24, dtype=np.int32)
+    (logits_a, tokens_a), (logits_b, tokens_b) = (d.forward(features.astype(np.float32), positions, 65, 24)
+                                                  for d in drafts)
+    assert float(np.max(np.abs(logits_b - logits_a)) / np.max(np.abs(logits_a))) <= 1e-4
+    assert tokens_b == tokens_a
+    return drafts[0].info(), drafts[1].info()
+
+
+def step_is_the_references(target, run, tmp_path):
+    """The run's GGUF, stepped on 20 context rows, computes what the reference computes from its
+    checkpoint (logits within 1e-4, the same proposal): (model, features, logits, tokens)."""
+    from reference import ReferenceDraft
+
+    reference = ReferenceDraft(run / "draft-hf", write_hf_target(tmp_path / "target-hf", target))
+    model = _core.Model(str(target), n_ctx=256)
+    draft = _core.Draft(model, str(run / "draft.gguf"))
+    features = np.random.default_rng(3).standard_normal((20, draft.info()["n_target_features"])).astype(np.float32)
+    logits, tokens = draft.forward(features, np.arange(20, dtype=np.int32), 65, 20)
+    ref = reference.logits(features, 65, 20)
+    assert float(np.max(np.abs(logits - ref)) / np.max(np.abs(ref))) <= 1e-4
+    assert tokens == reference.proposal(features, 65, 20)
+    return model, features, logits, tokens
+
+
 def from_trained_draft(run, argv, out, **values):
     """The trained run's command, one step at a learning rate of ~0 in OUT, starting from its draft."""
     return with_flags(argv, out=out, max_steps=1, lr="1e-12", **values) + [
@@ -322,18 +352,8 @@ def test_training_lowers_the_loss_and_measures_acceptance(trained):
 
 
 def test_the_reference_loads_the_checkpoint_and_the_gguf_computes_the_same(trained, target, tmp_path):
-    from reference import ReferenceDraft
-
     run, _ = trained
-    hf_target = write_hf_target(tmp_path / "target-hf", target)
-    reference = ReferenceDraft(run / "draft-hf", hf_target)
-    model = _core.Model(str(target), n_ctx=256)
-    draft = _core.Draft(model, str(run / "draft.gguf"))
-    features = np.random.default_rng(3).standard_normal((20, draft.info()["n_target_features"])).astype(np.float32)
-    logits, tokens = draft.forward(features, np.arange(20, dtype=np.int32), 65, 20)
-    ref = reference.logits(features, 65, 20)
-    assert float(np.max(np.abs(logits - ref)) / np.max(np.abs(ref))) <= 1e-4
-    assert tokens == list(ref[1:].argmax(axis=1))
+    step_is_the_references(target, run, tmp_path)
 
 
 def test_a_second_run_resumes(trained):
@@ -407,15 +427,8 @@ def test_a_draft_grows_a_layer_and_starts_out_computing_what_it_did(trained, tar
     run, argv = trained
     grown = from_trained_draft(run, argv, tmp_path / "grown", layers=3)
     assert main(grown) == 0
-    model = _core.Model(str(target), n_ctx=256)
-    small, big = (_core.Draft(model, str(folder / "draft.gguf")) for folder in (run, tmp_path / "grown"))
-    assert (small.info()["n_layer"], big.info()["n_layer"]) == (2, 3)
-    features = np.random.default_rng(4).standard_normal((24, small.info()["n_target_features"])).astype(np.float32)
-    positions = np.arange(24, dtype=np.int32)
-    small_logits, small_tokens = small.forward(features, positions, 65, 24)
-    big_logits, big_tokens = big.forward(features, positions, 65, 24)
-    assert float(np.max(np.abs(big_logits - small_logits)) / np.max(np.abs(small_logits))) <= 1e-4
-    assert big_tokens == small_tokens
+    small, big = same_step(target, run / "draft.gguf", tmp_path / "grown" / "draft.gguf")
+    assert (small["n_layer"], big["n_layer"]) == (2, 3)
 
     assert main(with_flags(grown, out=tmp_path / "shrunk", layers=1)) == 2
     assert "2 layers, more than this run's draft has (1)" in capsys.readouterr().err
@@ -427,16 +440,9 @@ def test_a_dflash1_draft_grows_into_dflash2_proposing_what_it_did(trained, targe
     computes the DFlash1 draft's logits and proposes its tokens."""
     run, argv = trained
     assert main(from_trained_draft(run, argv, tmp_path / "grown") + DFLASH2_FLAGS) == 0
-    model = _core.Model(str(target), n_ctx=256)
-    one, two = (_core.Draft(model, str(folder / "draft.gguf")) for folder in (run, tmp_path / "grown"))
-    assert (one.info()["format"], two.info()["format"]) == ("dflash-draft", "dflash")
-    assert two.info()["dflash2"] == DFLASH2 | {"conv_group_size": 16}
-    features = np.random.default_rng(4).standard_normal((24, one.info()["n_target_features"])).astype(np.float32)
-    positions = np.arange(24, dtype=np.int32)
-    logits_one, tokens_one = one.forward(features, positions, 65, 24)
-    logits_two, tokens_two = two.forward(features, positions, 65, 24)
-    assert float(np.max(np.abs(logits_two - logits_one)) / np.max(np.abs(logits_one))) <= 1e-4
-    assert tokens_two == tokens_one
+    one, two = same_step(target, run / "draft.gguf", tmp_path / "grown" / "draft.gguf")
+    assert (one["format"], two["format"]) == ("dflash-draft", "dflash")
+    assert two["dflash2"] == DFLASH2
 
 
 def test_a_dflash2_run_trains_its_selector_and_the_fork_computes_the_reference(trained, target, tmp_path, capsys):
@@ -444,22 +450,13 @@ def test_a_dflash2_run_trains_its_selector_and_the_fork_computes_the_reference(t
     the fork's export computes its logits and chooses its tokens; its GGUF starts a further run
     (the flat layout read back), while a DFlash2 draft cannot start a DFlash1 run or one of other
     settings."""
-    from reference import ReferenceDraft
-
     run, argv = trained
     out = tmp_path / "dflash2"
     command = with_flags(from_trained_draft(run, argv, out), max_steps=20, lr="3e-3") + DFLASH2_FLAGS
     assert main(command) == 0
     history = json.loads((out / "report.json").read_text())["history"]
     assert history[-1][2] < history[0][2]
-    reference = ReferenceDraft(out / "draft-hf", write_hf_target(tmp_path / "target-hf", target))
-    model = _core.Model(str(target), n_ctx=256)
-    draft = _core.Draft(model, str(out / "draft.gguf"))
-    features = np.random.default_rng(3).standard_normal((20, draft.info()["n_target_features"])).astype(np.float32)
-    logits, tokens = draft.forward(features, np.arange(20, dtype=np.int32), 65, 20)
-    ref = reference.logits(features, 65, 20)
-    assert float(np.max(np.abs(logits - ref)) / np.max(np.abs(ref))) <= 1e-4
-    assert tokens == reference.proposal(features, 65, 20)
+    model, features, logits, tokens = step_is_the_references(target, out, tmp_path)
 
     again = with_flags(command, out=tmp_path / "again", init=out / "draft.gguf", max_steps=1, lr="1e-12")
     assert main(again) == 0
