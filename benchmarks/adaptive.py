@@ -65,7 +65,7 @@ FIXED = (1, 2, 3, 4)
 def scrambled_draft(like: Path, out: Path) -> Path:
     """The draft like, reading its target layers in reverse order: the same weights and cost, and
     a context it was never trained on, so it proposes next to nothing the target keeps."""
-    key = next(k for k in gguf.GGUFReader(like).fields if k.endswith(".target_layer_ids"))
+    key = next(k for k in gguf.GGUFReader(like).fields if k.endswith((".target_layer_ids", "dflash.target_layers")))
     layers = gguf.GGUFReader(like).fields[key].contents()
     return rewrite(like, out, fields={key: list(reversed(layers))})
 

@@ -236,6 +236,19 @@ def test_mainline_spellings_are_accepted(swa_pairs, tmp_path):
     assert drafts and len(drafts[0].split()) == 3  # n_max=3 was read
 
 
+@pytest.mark.parametrize("flags", [["-cd", "256"], ["--ctx-size-draft", "256", "--spec-type", "dflash:cross_ctx=256"]])
+def test_ctx_size_draft_sets_the_history(swa_pairs, tmp_path, flags):
+    """-cd/--ctx-size-draft, upstream's flag for a DFlash draft's history, is cross_ctx; both may
+    be given when they agree."""
+    target, draft = swa_pairs["llama"]
+    log = tmp_path / "s.log"
+    args = dflash_args(draft) + flags
+    with Server(target, ctx_size=CTX, n_threads=2, log_file=log, extra_args=args) as url:
+        reply = post_json(url + "/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 0})
+    assert reply["timings"]["draft_n"] > 0
+    assert "dflash: cross_ctx = 256, block" in log.read_text()
+
+
 @pytest.mark.parametrize("spec,extra,message", [
     ("dflash:n_max=4,colour=red", True, "unknown key 'colour'"),
     ("dflash:cross_ctx=0", True, "cross_ctx must be at least 1, got 0"),
@@ -247,6 +260,7 @@ def test_mainline_spellings_are_accepted(swa_pairs, tmp_path):
     # 4 slots x 5 verification rows do not fit a batch of 16: an assert at the first busy step, before
     ("dflash:n_max=4", ["--parallel", "4", "--batch-size", "16", "--ubatch-size", "16"],
      "4 slots x 5 rows (n_max + 1) exceed --batch-size 16"),
+    ("dflash:cross_ctx=128", ["-cd", "256"], "--spec-type dflash:cross_ctx=128 and -cd 256 disagree"),
 ])
 def test_bad_flags_exit_with_their_reason(swa_pairs, tmp_path, spec, extra, message):
     target, draft = swa_pairs["llama"]

