@@ -2,6 +2,11 @@
 first user turns of held-out conversations under a plain system prompt, greedy, fixed n_max 4.
 
     python benchmarks/chat_tau.py DRAFT.gguf [DRAFT.gguf ...] [--prompts 24] [--tokens 128] [--json out.json]
+    python benchmarks/chat_tau.py shipped DRAFT.gguf --server    # what a llama-server user gets
+
+--server asks the package's llama-server instead (`/v1/chat/completions`, the held-out first
+user turns as plain messages, no system message, so the chat template's own default applies; greedy;
+`--spec-type dflash:n_max=N,adaptive=0`): tau = 1 + accepted drafts / verification steps.
 
 "shipped" names the draft inside ikdflash. This is the evaluation a retrained built-in draft must
 win before it ships (python/ikdflash/drafts/README.md).
@@ -10,11 +15,15 @@ win before it ships (python/ikdflash/drafts/README.md).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
 
+from ikdflash import Server
+from ikdflash.client import post_json
 from ikdflash.hub import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS, resolve_pair
+from ikdflash.train.corpus import read_conversations
 from ikdflash.train import held_out_prompts
 from ikdflash.train.evaluate import measure_acceptance
 
@@ -28,10 +37,13 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--n-max", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--server", action="store_true", help="through llama-server's chat endpoint")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
     target, shipped = resolve_pair(DEFAULT_PAIR)
+    if args.server:
+        return server_tau(args, target, shipped)
     prompts = held_out_prompts(target, None, args.prompts, system=SYSTEM)
     results = {}
     print(f"{len(prompts)} held-out first turns, up to {args.tokens} tokens each, n_max {args.n_max}")
@@ -45,6 +57,36 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps({"prompts": len(prompts), "tokens": args.tokens, "n_max": args.n_max,
                                          "system": SYSTEM, "drafts": results}, indent=2))
+    return 0
+
+
+def held_out_questions(count: int) -> list[str]:
+    """The held-out conversations' first user turns, as text (held_out_prompts also leaves out
+    those longer than 1,024 tokens; the server's context holds them)."""
+    return list(itertools.islice((conv.first_user_turn for conv in read_conversations(None) if conv.held_out), count))
+
+
+def server_tau(args: argparse.Namespace, target: Path, shipped: Path) -> int:
+    questions = held_out_questions(args.prompts)
+    print(f"{len(questions)} held-out first turns through llama-server, no system message, up to {args.tokens} "
+          f"tokens each, n_max {args.n_max}")
+    results = {}
+    for name in args.drafts:
+        path = shipped if name == "shipped" else Path(name)
+        spec = ["--model-draft", str(path), "--spec-type", f"dflash:n_max={args.n_max},adaptive=0"]
+        accepted = steps = 0
+        with Server(target, ctx_size=4096, n_threads=args.threads, extra_args=spec) as url:
+            for question in questions:
+                body = {"messages": [{"role": "user", "content": question}], "max_tokens": args.tokens,
+                        "temperature": 0}
+                timings = post_json(url + "/v1/chat/completions", body)["timings"]
+                accepted += timings["draft_n_accepted"]
+                steps += timings["draft_steps"]
+        results[name] = {"tau": 1 + accepted / max(1, steps), "accepted": accepted, "steps": steps}
+        print(f"{name}: tau {results[name]['tau']:.2f} ({accepted} drafts accepted in {steps} steps)")
+    if args.json:
+        args.json.write_text(json.dumps({"prompts": len(questions), "tokens": args.tokens, "n_max": args.n_max,
+                                         "server": True, "system": None, "drafts": results}, indent=2))
     return 0
 
 
