@@ -69,7 +69,7 @@ def main() -> int:
 
     target, shipped = resolve_pair(DEFAULT_PAIR)
     fields = gguf.GGUFReader(shipped).fields
-    key = next(k for k in fields if k.endswith(".dflash.block_size")).replace("block_size", "head_token_ids")
+    key = f"{fields['general.architecture'].contents()}.dflash.head_token_ids"  # either layout
     ranked = frequent_ids(target) if args.ids else np.arange(0)
     if key in fields:
         ranked = ranked[np.isin(ranked, np.asarray(fields[key].contents()))]

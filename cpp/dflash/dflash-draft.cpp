@@ -17,7 +17,6 @@
 #include <cstring>
 #include <fstream>
 #include <map>
-#include <numeric>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -1046,6 +1045,27 @@ void expand_logits(const dflash_draft & d, const std::vector<float> & scored, in
     }
 }
 
+// The k ids with the highest logits into best, highest first, lower ids first among equal ones;
+// NaN never, and id 0 when every logit is NaN. One pass, most ids rejected by one comparison: a
+// sort of the head's thousands of ids cost more than the rest of the selector.
+void best_scored(const float * logit, int n_ids, int k, std::vector<int32_t> & best) {
+    best.clear();
+    for (int32_t i = 0; i < n_ids; ++i) {
+        const float v = logit[i];
+        if (std::isnan(v) || ((int) best.size() == k && !(v > logit[best.back()]))) {
+            continue;
+        }
+        const auto at = std::upper_bound(best.begin(), best.end(), v, [logit](float x, int32_t j) { return x > logit[j]; });
+        if ((int) best.size() == k) {
+            best.pop_back();
+        }
+        best.insert(at, i);
+    }
+    if (best.empty()) {
+        best.push_back(0);
+    }
+}
+
 // DFlash2's candidate selector, greedy. Left to right over the head rows from max(1, head_row0),
 // each row's token is the best of its selector_top_k highest-scored ids by
 // logit + <predecessor[previous] * hidden_projection(row), successor[candidate]>, previous being
@@ -1055,25 +1075,20 @@ void select_tokens(const dflash_draft & d, const std::vector<float> & scored, co
                    int head_row0, int n_head, llama_token first, llama_token * tokens_out) {
     const int n_ids = n_scored(d), rank = d.selector_rank;
     const int k = std::min(d.selector_top_k, n_ids);
-    std::vector<int32_t> order(n_ids);
+    std::vector<int32_t> order;
     std::vector<float> query(rank), successor(rank);
     llama_token previous = first;
     for (int j = std::max(1, head_row0); j < head_row0 + n_head; ++j) {
         const float * logit = scored.data() + (size_t) (j - head_row0) * n_ids;
         const float * hidden = projected.data() + (size_t) (j - head_row0) * rank;
-        // the candidates: highest logits first, lower ids first among equals, NaN last
-        auto key = [logit](int32_t i) { return std::isnan(logit[i]) ? -INFINITY : logit[i]; };
-        std::iota(order.begin(), order.end(), 0);
-        std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
-            return key(a) > key(b) || (key(a) == key(b) && a < b);
-        });
+        best_scored(logit, n_ids, k, order);
         d.predecessors.row(previous, query.data());
         for (int r = 0; r < rank; ++r) {
             query[r] *= hidden[r];
         }
         float best_score = -INFINITY;
         llama_token best = d.head_ids.empty() ? order[0] : d.head_ids[order[0]];
-        for (int i = 0; i < k; ++i) {
+        for (int i = 0; i < (int) order.size(); ++i) {
             const llama_token id = d.head_ids.empty() ? order[i] : d.head_ids[order[i]];
             d.successors.row(id, successor.data());
             float score = 0.0f;
