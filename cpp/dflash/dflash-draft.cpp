@@ -416,8 +416,7 @@ namespace {
 void read_dflash2_hparams(dflash_draft & d, const gguf_meta & m) {
     const std::string & p = m.prefix;
     const char * keys[] = {k_key_conv_taps, k_key_conv_group, k_key_selector_rank, k_key_selector_top_k};
-    const long present = std::count_if(std::begin(keys), std::end(keys), [&](const char * k) { return m.has(p + k); });
-    if (present == 0) {
+    if (std::none_of(std::begin(keys), std::end(keys), [&](const char * k) { return m.has(p + k); })) {
         return;
     }
     d.conv_taps = m.bounded(p + k_key_conv_taps, 0, 1, k_max_conv_taps, true);
