@@ -44,6 +44,7 @@ from ikdflash.hub import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS, resolve_pair
 # the tests' GGUF rewriter; overhead.py's always-right pair is beside this script
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from gguf_edit import rewrite
+from provenance import provenance
 from overhead import always_right_pair
 
 SYSTEM = PAIR_CHAT_DEFAULTS[DEFAULT_PAIR]["system"]  # what `ikdflash chat` sends with the built-in pair
@@ -199,7 +200,7 @@ def main() -> None:
           f"{c['share_of_a_one_row_pass']:.2%} of a one-row SmolLM2 pass")
     if args.json:
         args.json.write_text(json.dumps({"tokens": args.tokens, "repeats": args.repeats,
-                                         **results}, indent=2))
+                                         **results, "provenance": provenance(threads=2)}, indent=2))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from ikdflash.hub import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS, resolve_pair
 from ikdflash.train.corpus import read_conversations
 from ikdflash.train import held_out_prompts
 from ikdflash.train.evaluate import measure_acceptance
+from provenance import provenance
 
 SYSTEM = PAIR_CHAT_DEFAULTS[DEFAULT_PAIR]["system"]  # what `ikdflash chat` sends with the built-in pair
 
@@ -56,7 +57,8 @@ def main() -> int:
               + " / ".join(f"{p:.2f}" for p in result.per_position))
     if args.json:
         args.json.write_text(json.dumps({"prompts": len(prompts), "tokens": args.tokens, "n_max": args.n_max,
-                                         "system": SYSTEM, "drafts": results}, indent=2))
+                                         "system": SYSTEM, "drafts": results,
+                                         "provenance": provenance(args.threads)}, indent=2))
     return 0
 
 
@@ -86,7 +88,8 @@ def server_tau(args: argparse.Namespace, target: Path, shipped: Path) -> int:
         print(f"{name}: tau {results[name]['tau']:.2f} ({accepted} drafts accepted in {steps} steps)")
     if args.json:
         args.json.write_text(json.dumps({"prompts": len(questions), "tokens": args.tokens, "n_max": args.n_max,
-                                         "server": True, "system": None, "drafts": results}, indent=2))
+                                         "server": True, "system": None, "drafts": results,
+                                         "provenance": provenance(args.threads)}, indent=2))
     return 0
 
 

@@ -34,6 +34,7 @@ from ikdflash.train.corpus import read_conversations
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from adaptive import QUESTIONS, chat_prompts  # the same chat questions under the same system prompt
 from gguf_edit import rewrite
+from provenance import provenance
 
 
 def frequent_ids(target: Path, n_conversations: int = 200) -> np.ndarray:
@@ -115,7 +116,7 @@ def main() -> int:
         print(f"{name:>12} " + " ".join(f"{c:>16}" for c in cells))
     if args.json:
         args.json.write_text(json.dumps({"tokens": args.tokens, "repeats": args.repeats, "threads": args.threads,
-                                         "rows": rows}, indent=2))
+                                         "rows": rows, "provenance": provenance(args.threads)}, indent=2))
     return 0
 
 
