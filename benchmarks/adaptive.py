@@ -1,6 +1,6 @@
 """The adaptive block length against every fixed n_max and the target alone, side by side.
 
-    python benchmarks/adaptive.py [--tokens 128] [--repeats 3] [--json out.json]
+    python -m benchmarks.adaptive [--tokens 128] [--repeats 3] [--json out.json]
 
 Workloads, each generated greedily by one engine per pair, on 2 threads:
 
@@ -39,13 +39,11 @@ from pathlib import Path
 import gguf
 from ikdflash import Engine
 from ikdflash._core import BlockController
-from ikdflash.hub import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS, resolve_pair
+from ikdflash.sources.references import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS, resolve_pair
 
-# the tests' GGUF rewriter; overhead.py's always-right pair is beside this script
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from gguf_edit import rewrite
-from provenance import provenance
-from overhead import always_right_pair
+from tests.fixtures.gguf_edit import rewrite
+from benchmarks.provenance import provenance
+from benchmarks.overhead import always_right_pair
 
 SYSTEM = PAIR_CHAT_DEFAULTS[DEFAULT_PAIR]["system"]  # what `ikdflash chat` sends with the built-in pair
 QUESTIONS = ["Explain rainbows to a child.", "What is the capital of France, and why is it famous?",

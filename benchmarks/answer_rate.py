@@ -1,7 +1,7 @@
 """Training data from the target's own answers: rows per core-second, one sequence at a time
 against several decoded side by side (Model.generate_many), on the built-in target.
 
-    python benchmarks/answer_rate.py [--prompts 32] [--tokens 128] [--parallel 1 4 8 16 32] [--json out.json]
+    python -m benchmarks.answer_rate [--prompts 32] [--tokens 128] [--parallel 1 4 8 16 32] [--json out.json]
 
 The prompts are first user turns of training conversations (never the held-out ones) under the
 plain system prompt the built-in draft's answers use. Each setting answers the same prompts,
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from ikdflash.chat import chat_template, render
-from ikdflash.hub import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS, resolve_pair
+from ikdflash.sources.references import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS, resolve_pair
 from ikdflash.model import Model
 from ikdflash.train.corpus import read_conversations
 

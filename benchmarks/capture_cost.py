@@ -1,7 +1,7 @@
 """What capturing the draft's target layers costs a target pass: the same passes with and without
 the capture, side by side.
 
-    python benchmarks/capture_cost.py [--target T.gguf] [--layers 1 14 27] [--tokens 5 16 512]
+    python -m benchmarks.capture_cost [--target T.gguf] [--layers 1 14 27] [--tokens 5 16 512]
                                       [--threads 2] [--gpu-layers 0] [--repeats 9] [--top-k 16] [--json out.json]
 
 For each pass size in --tokens (5 is a verification block at n_max 4, 16 a block of the draft's
@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the table here too")
     args = parser.parse_args()
     if args.target is None:
-        from ikdflash.hub import resolve_pair
+        from ikdflash.sources.references import resolve_pair
         args.target = str(resolve_pair("smollm2-135m-swa")[0])
     rows = []
     top = f" {'+top ms':>8} {'ratio':>6}" if args.top_k else ""

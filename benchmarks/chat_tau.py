@@ -1,8 +1,8 @@
 """Held-out chat acceptance of one or more drafts for the built-in target, on the same prompts:
 first user turns of held-out conversations under a plain system prompt, greedy, fixed n_max 4.
 
-    python benchmarks/chat_tau.py DRAFT.gguf [DRAFT.gguf ...] [--prompts 24] [--tokens 128] [--json out.json]
-    python benchmarks/chat_tau.py shipped DRAFT.gguf --server    # what a llama-server user gets
+    python -m benchmarks.chat_tau DRAFT.gguf [DRAFT.gguf ...] [--prompts 24] [--tokens 128] [--json out.json]
+    python -m benchmarks.chat_tau shipped DRAFT.gguf --server    # what a llama-server user gets
 
 --server asks the package's llama-server instead (`/v1/chat/completions`, the held-out first
 user turns as plain messages, no system message, so the chat template's own default applies; greedy;
@@ -21,12 +21,12 @@ import sys
 from pathlib import Path
 
 from ikdflash import Server
-from ikdflash.client import post_json
-from ikdflash.hub import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS, resolve_pair
+from ikdflash.serving.client import post_json
+from ikdflash.sources.references import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS, resolve_pair
 from ikdflash.train.corpus import read_conversations
 from ikdflash.train import held_out_prompts
 from ikdflash.train.evaluate import measure_acceptance
-from provenance import provenance
+from benchmarks.provenance import provenance
 
 SYSTEM = PAIR_CHAT_DEFAULTS[DEFAULT_PAIR]["system"]  # what `ikdflash chat` sends with the built-in pair
 

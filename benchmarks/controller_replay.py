@@ -1,7 +1,7 @@
 """The adaptive block length replayed on recorded drafts at given costs: the controller against
 every fixed n_max and the target alone, without the machine's noise.
 
-    python benchmarks/controller_replay.py [--tokens 128] [--workloads useless built-in mixed alternating]
+    python -m benchmarks.controller_replay [--tokens 128] [--workloads useless built-in mixed alternating]
         [--pass-ms 9.9 11.4 13.5 14.9 17.1] [--draft-ms 1.8 1.9 2.1 2.5] [--json out.json]
         [--recordings recordings.json]   # recorded once (~3 min), replayed in seconds after
         [--draft D.gguf]                 # another draft for the built-in target
@@ -39,11 +39,10 @@ from pathlib import Path
 
 from ikdflash import Engine
 from ikdflash._core import BlockController
-from ikdflash.hub import DEFAULT_PAIR, resolve_pair
+from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from adaptive import WORKLOAD_QUESTIONS, chat_prompts, scrambled_draft
-from draft_confidence import draft_steps
+from benchmarks.adaptive import WORKLOAD_QUESTIONS, chat_prompts, scrambled_draft
+from benchmarks.draft_confidence import draft_steps
 
 N_MAX = 4
 
@@ -59,7 +58,7 @@ class Recording:
 
 def record(target: Path, draft_path: Path, prompts: list[list[int]], tokens: int) -> list[Recording]:
     recordings = [Recording(len(p), [], []) for p in prompts]
-    for i, seq, s, _, best in draft_steps(target, draft_path, prompts, tokens):
+    for i, seq, _, _, best in draft_steps(target, draft_path, prompts, tokens):
         recordings[i].answer = seq[len(prompts[i]):]
         recordings[i].proposals.append(list(best[:N_MAX]))
     return recordings

@@ -1,6 +1,6 @@
 """Cross-context memory of the seed draft's shape, read from the actual allocation.
 
-    python benchmarks/cross_ctx_memory.py [--cross-ctx 8192 65536] [--json out.json]
+    python -m benchmarks.cross_ctx_memory [--cross-ctx 8192 65536] [--json out.json]
 
 The cross-context holds, per draft layer, the keys and values of context rows: its size depends
 on the layer count, kv heads x head dim, the window and the sliding pattern only. This script
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from ikdflash import _core
 from ikdflash.convert import convert
-from ikdflash.tinydraft import write_hf_target, write_tiny_draft
-from ikdflash.tinymodels import write_tiny_model
+from tests.fixtures.tinydraft import write_hf_target, write_tiny_draft
+from tests.fixtures.tinymodels import write_tiny_model
 
 SEED_SHAPE = dict(layer_types=["sliding_attention"] * 5 + ["full_attention"], sliding_window=4096,
                   n_head=8, n_head_kv=8, head_dim=128, n_ff=64, block_size=16)

@@ -1,6 +1,6 @@
 """What a CUDA build of the package costs, estimated on a machine with nvcc and no GPU.
 
-    nice -n 19 python benchmarks/cuda_build_cost.py [--fork DIR] [--reuse] [--json out.json]
+    nice -n 19 python -m benchmarks.cuda_build_cost [--fork DIR] [--reuse] [--json out.json]
 
 The device check (.ci/device-check) builds the package with CUDA on a lent machine with 16
 cores, inside a 15-minute window that also has to hold the tests. This script tells what that

@@ -1,6 +1,6 @@
 """Does the draft's own confidence predict whether the target keeps its first draft token?
 
-    python benchmarks/draft_confidence.py [DRAFT.gguf] [--prompts 24] [--tokens 128] [--json out.json]
+    python -m benchmarks.draft_confidence [DRAFT.gguf] [--prompts 24] [--tokens 128] [--json out.json]
 
 The built-in target's greedy answers to held-out chat prompts (first user turns under the plain
 system prompt, as benchmarks/chat_tau.py), teacher-forced: at every answer position the draft
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ikdflash import _core
-from ikdflash.hub import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS, resolve_pair
+from ikdflash.sources.references import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS, resolve_pair
 from ikdflash.train import held_out_prompts
 
 SYSTEM = PAIR_CHAT_DEFAULTS[DEFAULT_PAIR]["system"]

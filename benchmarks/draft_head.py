@@ -1,8 +1,8 @@
 """The built-in pair's draft step with its head as shipped against cut to the ids the data uses most
 (dflash.head_token_ids), per number of tokens proposed, and what the cut does to acceptance.
 
-    python benchmarks/draft_head.py [--ids 16384 8192] [--tokens 96] [--repeats 3] [--keep DIR] [--json out.json]
-    python benchmarks/draft_head.py --ids --draft dflash2=runs/d2/train/draft.gguf   # another draft's step
+    python -m benchmarks.draft_head [--ids 16384 8192] [--tokens 96] [--repeats 3] [--keep DIR] [--json out.json]
+    python -m benchmarks.draft_head --ids --draft dflash2=runs/d2/train/draft.gguf   # another draft's step
 
 The cut is the --ids most frequent ids of the target's own greedy tokens over training
 conversations (never the held-out ones), written into a copy of the shipped draft; when the
@@ -27,14 +27,13 @@ import gguf
 import numpy as np
 from ikdflash import Engine
 from ikdflash.chat import chat_template, render
-from ikdflash.hub import DEFAULT_PAIR, resolve_pair
+from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
 from ikdflash.model import Model
 from ikdflash.train.corpus import read_conversations
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from adaptive import QUESTIONS, chat_prompts  # the same chat questions under the same system prompt
-from gguf_edit import rewrite
-from provenance import provenance
+from benchmarks.adaptive import QUESTIONS, chat_prompts  # the same chat questions under the same system prompt
+from tests.fixtures.gguf_edit import rewrite
+from benchmarks.provenance import provenance
 
 
 def frequent_ids(target: Path, n_conversations: int = 200) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Draft-step time against cross_ctx on the CPU: sliding window honoured vs every layer full.
 
-    python benchmarks/draft_step.py [--cross-ctx 256 1024 4096] [--window 64] [--repeats 3] [--json out.json]
-    python benchmarks/draft_step.py --prompt-tokens 64 --cross-ctx 512 65536   # a short prompt
+    python -m benchmarks.draft_step [--cross-ctx 256 1024 4096] [--window 64] [--repeats 3] [--json out.json]
+    python -m benchmarks.draft_step --prompt-tokens 64 --cross-ctx 512 65536   # a short prompt
 
 A tiny 5 sliding + 1 full draft (small window) on a tiny qwen3 target. For each cross_ctx the
 prompt is longer than cross_ctx (or --prompt-tokens long), so the cross-context is full when
@@ -22,8 +22,8 @@ from pathlib import Path
 
 from ikdflash import Engine
 from ikdflash.convert import convert
-from ikdflash.tinydraft import write_hf_target, write_tiny_draft
-from ikdflash.tinymodels import write_tiny_model
+from tests.fixtures.tinydraft import write_hf_target, write_tiny_draft
+from tests.fixtures.tinymodels import write_tiny_model
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 as in a run of DFlash steps that verify the same number of drafts) against rebuilt (another
 shape came between), and the multi-row cost curve of each.
 
-    python benchmarks/graph_reuse.py [--target T.gguf] [--rows 1 2 3 4 5] [--context 256]
+    python -m benchmarks.graph_reuse [--target T.gguf] [--rows 1 2 3 4 5] [--context 256]
                                      [--rounds 15] [--passes 6] [--threads 2] [--json out.json]
 
 The fork keeps the last pass's graph and reuses it for a pass of the same shape (tokens, outputs,
@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 
 from ikdflash import _core
-from pass_cost import add_target_and_rows, check_target_and_rows  # beside this script
+from benchmarks.pass_cost import add_target_and_rows, check_target_and_rows
 
 
 def main() -> None:

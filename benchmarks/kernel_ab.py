@@ -1,6 +1,6 @@
 """Target pass costs with the installed fork's ggml against another build of it, paired.
 
-    python benchmarks/kernel_ab.py OTHER/libggml.so [--target T.gguf] [--rows 1 2 3 5] [--context 128]
+    python -m benchmarks.kernel_ab OTHER/libggml.so [--target T.gguf] [--rows 1 2 3 5] [--context 128]
                                    [--rounds 6] [--repeats 9] [--json out.json]
 
 For a kernel change in the fork: build the fork before the change, keep its libggml.so, install
@@ -66,7 +66,7 @@ def main() -> None:
     if args.other is None or not args.other.is_file():
         parser.error(f"the other build's libggml.so is required and must exist (got {args.other})")
     if args.target is None:
-        from ikdflash.hub import DEFAULT_PAIR, resolve_pair
+        from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
 
         args.target = str(resolve_pair(DEFAULT_PAIR)[0])
     runs: dict[str, list[list[float]]] = {"installed": [], "other": []}

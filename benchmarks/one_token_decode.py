@@ -1,7 +1,7 @@
 """What patch 0028 costs: one-token decoding speed with a single query row computed as a block's
 row (the default) against the base's narrowed keys split over threads (IKDFLASH_FA_SPLIT_ROW=1).
 
-    python benchmarks/one_token_decode.py [--target T.gguf] [--contexts 512 2048 4096] [--threads 2]
+    python -m benchmarks.one_token_decode [--target T.gguf] [--contexts 512 2048 4096] [--threads 2]
 
 The target (default: the built-in pair's) reads a prompt of each context length, then decodes
 --tokens tokens one at a time; decoding tokens/s (prompt excluded) is reported for both settings,
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the table here too")
     args = parser.parse_args()
     if args.target is None:
-        from ikdflash.hub import resolve_pair
+        from ikdflash.sources.references import resolve_pair
         args.target = str(resolve_pair("smollm2-135m-swa")[0])
     rows = []
     print(f"{'context':>8} {'block row tok/s':>16} {'split tok/s':>12} {'ratio':>6}")

@@ -1,6 +1,6 @@
 """How close the speculative loop runs to its bound, in _core and in llama-server.
 
-    python benchmarks/overhead.py [--tokens 256] [--repeats 5] [--gpu-layers 99] [--json out.json]
+    python -m benchmarks.overhead [--tokens 256] [--repeats 5] [--gpu-layers 99] [--json out.json]
 
 The always-right pair: a tiny target whose head is all zeros (greedy picks token 0 forever)
 and a draft that borrows that head, so every draft is accepted and each step yields
@@ -29,11 +29,11 @@ import time
 from pathlib import Path
 
 from ikdflash import Engine, Server
-from ikdflash.client import post_json
+from ikdflash.serving.client import post_json
 from ikdflash.convert import convert
-from ikdflash.spectype import SpecType
-from ikdflash.tinydraft import write_hf_target, write_tiny_draft
-from ikdflash.tinymodels import write_tiny_model
+from ikdflash.serving.spectype import SpecType
+from tests.fixtures.tinydraft import write_hf_target, write_tiny_draft
+from tests.fixtures.tinymodels import write_tiny_model
 
 N_MAX = 4
 

@@ -1,7 +1,7 @@
 """Two concurrent speculative requests on two slots of the packaged llama-server, against plain
 greedy decoding, with the base's classic draft-model speculation (no DFlash involved).
 
-    python benchmarks/parallel_slots.py [--rounds 6] [--flash-attn off|on]
+    python -m benchmarks.parallel_slots [--rounds 6] [--flash-attn off|on]
 
 A tiny llama target and another tiny llama (different weights) as its draft, so most drafts are
 rejected and each rejection leaves a hole in the KV cache under the other slot's cells. The two
@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 
 from ikdflash import Server
-from ikdflash.client import post_json, post_json_concurrently
-from ikdflash.tinymodels import write_tiny_model
+from ikdflash.serving.client import post_json, post_json_concurrently
+from tests.fixtures.tinymodels import write_tiny_model
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog, and the cat sat on the mat. " * 3,
            "once upon a time there was a little server that could. " * 3]

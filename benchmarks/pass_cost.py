@@ -1,7 +1,7 @@
 """What a target pass over n rows costs against one row, per weight type, with and without run-time
 repacking, beside the machine's memory-read floor.
 
-    python benchmarks/pass_cost.py [--target T.gguf] [--types shipped Q4_0 Q8_0 Q4_K_M Q6_K IQ4_XS IQ4_NL]
+    python -m benchmarks.pass_cost [--target T.gguf] [--types shipped Q4_0 Q8_0 Q4_K_M Q6_K IQ4_XS IQ4_NL]
                                    [--rows 1 2 3 4 5 6 8 12 16] [--contexts 64 512 2048]
                                    [--repeats 7] [--threads 2] [--json out.json]
 
@@ -43,7 +43,7 @@ def check_target_and_rows(parser: argparse.ArgumentParser, args: argparse.Namesp
     if args.rows[0] != 1:
         parser.error("--rows must start with 1 (the other counts are reported against it)")
     if args.target is None:
-        from ikdflash.hub import DEFAULT_PAIR, resolve_pair
+        from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
 
         args.target = resolve_pair(DEFAULT_PAIR)[0]
 

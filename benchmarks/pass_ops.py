@@ -1,6 +1,6 @@
 """Where a multi-row target pass spends what a one-row pass does not: the pass split by operation.
 
-    python benchmarks/pass_ops.py [--target T.gguf] [--rows 1 2 5] [--context 512] [--repeats 7]
+    python -m benchmarks.pass_ops [--target T.gguf] [--rows 1 2 5] [--context 512] [--repeats 7]
                                   [--threads 2] [--repack] [--json out.json]
 
 pass_cost.py says how much a pass of n rows costs against one row; this says where the extra goes.
@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 
 from ikdflash import _core
-from pass_cost import add_target_and_rows, check_target_and_rows  # beside this script
+from benchmarks.pass_cost import add_target_and_rows, check_target_and_rows
 
 
 def split(path: Path, rows: list[int], context: int, repeats: int, threads: int, repack: bool) -> dict:

@@ -2,7 +2,7 @@
 target's passes of 1-5 rows, and the target alone, DFlash and prefill with the weights as stored
 and repacked.
 
-    python benchmarks/repack.py [--pass-rounds 30] [--tokens 128] [--repeats 3] [--prompt-tokens 1024]
+    python -m benchmarks.repack [--pass-rounds 30] [--tokens 128] [--repeats 3] [--prompt-tokens 1024]
                                 [--json out.json]
 
 The built-in target is Q4_1, which the fork repacks into 8 interleaved rows (patch 0043) whose
@@ -34,9 +34,9 @@ import sys
 from pathlib import Path
 
 from ikdflash import Engine, _core
-from ikdflash.hub import DEFAULT_PAIR, resolve_pair
+from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
 
-from adaptive import QUESTIONS, chat_prompts  # beside this script
+from benchmarks.adaptive import QUESTIONS, chat_prompts
 
 LAYOUTS = {"stored": False, "repacked": True}
 MODES = ("alone", "fixed 1", "adaptive")

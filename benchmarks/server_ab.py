@@ -1,6 +1,6 @@
 """One-token decoding through llama-server, the fork's build against another, side by side.
 
-    python benchmarks/server_ab.py --other PATH/llama-server [--contexts 512 1024 2048 4096]
+    python -m benchmarks.server_ab --other PATH/llama-server [--contexts 512 1024 2048 4096]
         [--prompts 3] [--tokens 128] [--rounds 3] [--threads 2] [--flags -rtr] [--json out.json]
 
 The fork's llama-server (this package's) and --other (e.g. ik_llama.cpp upstream main, built in a
@@ -24,11 +24,11 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from ikdflash.bench import held_out_text
+from ikdflash.cli.bench import held_out_text
 from ikdflash.chat import chat_template, render
-from ikdflash.hub import DEFAULT_PAIR, resolve_pair
+from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
 from ikdflash.model import Model
-from ikdflash.server import Server
+from ikdflash.serving.server import Server
 
 
 def summarise_prompts(target: Path, contexts: list[int], count: int) -> dict[int, list[list[int]]]:

@@ -1,7 +1,7 @@
 """Acceptance after each llama-server path that rewrites a slot's cache, against a fresh request
 for the same tokens, on the built-in pair (SmolLM2-135M-Instruct and its sliding-window draft).
 
-    python benchmarks/server_paths.py [--prompts 8] [--json out.json]
+    python -m benchmarks.server_paths [--prompts 8] [--json out.json]
 
 Per held-out chat prompt P (ShareGPT first turns, plain system prompt):
   edit          P, its answer (up to 160 tokens), then P + the first 60 answer tokens: the server
@@ -25,10 +25,10 @@ from pathlib import Path
 
 from ikdflash import Server
 from ikdflash.chat import chat_template, render
-from ikdflash.client import post_json
-from ikdflash.hub import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS, resolve_pair
+from ikdflash.serving.client import post_json
+from ikdflash.sources.references import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS, resolve_pair
 from ikdflash.model import Model
-from ikdflash.spectype import SpecType
+from ikdflash.serving.spectype import SpecType
 from ikdflash.train.corpus import read_conversations
 
 SYSTEM = PAIR_CHAT_DEFAULTS[DEFAULT_PAIR]["system"]  # what `ikdflash chat` sends with the built-in pair

@@ -1,6 +1,6 @@
 """How often the draft's first token is right, by how sure the target itself was there.
 
-    python benchmarks/target_confidence.py DATA_FOLDER [--draft DRAFT.gguf] [--batches 40] [--json out.json]
+    python -m benchmarks.target_confidence DATA_FOLDER [--draft DRAFT.gguf] [--batches 40] [--json out.json]
 
 Teacher-forced on a data folder (best: answers no stage of the draft trained on, e.g. a
 `data refresh --sequences 2559:` of the saved answers): random anchors in the answers, as training
@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ikdflash.hub import DEFAULT_PAIR, resolve_pair
-from ikdflash.pair import gguf_field, open_gguf
+from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
+from ikdflash.sources.pair import gguf_field, open_gguf
 from ikdflash.train import data, draft, loop, target_weights
 
 EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.01)

@@ -1,8 +1,8 @@
 """Held-out acceptance against training time: every snapshot of one or more `ikdflash train` runs
 (made with --snapshot-minutes), converted to GGUF and measured in the fork's own loop.
 
-    python benchmarks/train_curve.py runs/smollm2-seed runs/smollm2-all-sliding --prompts 24 --json curve.json
-    python benchmarks/train_curve.py runs/v7/ft --target T.gguf --system "You are a helpful assistant."   # as chat_tau.py
+    python -m benchmarks.train_curve runs/smollm2-seed runs/smollm2-all-sliding --prompts 24 --json curve.json
+    python -m benchmarks.train_curve runs/v7/ft --target T.gguf --system "You are a helpful assistant."   # as chat_tau.py
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from ikdflash.convert import convert
-from ikdflash.hub import resolve
+from ikdflash.sources.references import resolve
 from ikdflash.train import held_out_prompts
 from ikdflash.train.evaluate import measure_acceptance
 

@@ -11,9 +11,9 @@ import gguf
 import numpy as np
 
 from ikdflash.convert import convert
-from ikdflash.tinydraft import write_hf_target, write_tiny_draft
-from ikdflash.tinymodels import write_tiny_model
-from gguf_edit import rewrite
+from fixtures.tinydraft import write_hf_target, write_tiny_draft
+from fixtures.tinymodels import write_tiny_model
+from fixtures.gguf_edit import rewrite
 
 TARGET_ARCHS = ("llama", "qwen3", "qwen35moe")
 

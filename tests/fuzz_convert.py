@@ -177,9 +177,9 @@ class Mutator:
 
 def base_pair(folder: Path) -> tuple[Path, Path]:
     """(the target GGUF, a folder holding draft/ (sharded, with an index) and target/ (HF view))."""
-    from ikdflash.hf import read_tensors, write_tensors
-    from ikdflash.tinydraft import write_hf_target, write_tiny_draft
-    from ikdflash.tinymodels import write_tiny_model
+    from ikdflash.sources.hf import read_tensors, write_tensors
+    from fixtures.tinydraft import write_hf_target, write_tiny_draft
+    from fixtures.tinymodels import write_tiny_model
     target_gguf = write_tiny_model(folder / "target.gguf", arch="llama")
     base = folder / "base"
     write_hf_target(base / "target", target_gguf)

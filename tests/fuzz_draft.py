@@ -137,7 +137,7 @@ class Mutator:
 
 def load_in_server(target: Path, draft: Path, log: Path, timeout: float) -> tuple[str, str]:
     from ikdflash import Server, ServerError
-    from ikdflash.client import post_json
+    from ikdflash.serving.client import post_json
     server = Server(target, ctx_size=256, n_threads=1, log_file=log, startup_timeout=timeout,
                     extra_args=["--model-draft", str(draft), "--spec-type", "dflash:n_max=4"])
     try:
@@ -202,8 +202,8 @@ DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "se
 def tiny_pair(folder: Path, dflash2: dict[str, int] | None = None) -> tuple[Path, Path]:
     """A tiny llama target and a 3-layer sliding-window draft (DFlash2 with dflash2) converted for it."""
     from ikdflash.convert import convert
-    from ikdflash.tinydraft import write_hf_target, write_tiny_draft
-    from ikdflash.tinymodels import write_tiny_model
+    from fixtures.tinydraft import write_hf_target, write_tiny_draft
+    from fixtures.tinymodels import write_tiny_model
     target = write_tiny_model(folder / "target.gguf", arch="llama")
     hf = write_hf_target(folder / "target-hf", target)
     checkpoint = write_tiny_draft(folder / "draft", hf, target_layer_ids=[0, 2], block_size=8,

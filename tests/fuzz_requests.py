@@ -1036,8 +1036,8 @@ def distinct(results: Sequence[RequestCase]) -> dict[str, list[RequestCase]]:
 def tiny_pair(folder: Path, arch: str = "llama") -> tuple[Path, Path]:
     """A tiny target and a 3-layer sliding-window DFlash draft converted for it."""
     from ikdflash.convert import convert
-    from ikdflash.tinydraft import write_hf_target, write_tiny_draft
-    from ikdflash.tinymodels import write_tiny_model
+    from fixtures.tinydraft import write_hf_target, write_tiny_draft
+    from fixtures.tinymodels import write_tiny_model
     target = write_tiny_model(folder / "target.gguf", arch=arch)
     hf = write_hf_target(folder / "target-hf", target)
     checkpoint = write_tiny_draft(folder / "draft", hf, target_layer_ids=[0, 2], block_size=16,

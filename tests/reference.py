@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ikdflash.hf import read_tensors
+from ikdflash.sources.hf import read_tensors
 
 
 class ReferenceDraft:

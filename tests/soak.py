@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ikdflash import Server, ServerError
-from ikdflash.client import post_json, stream_json
-from ikdflash.server import free_port, port_in_use
+from ikdflash.serving.client import post_json, stream_json
+from ikdflash.serving.server import free_port, port_in_use
 
 QUESTIONS = ["Explain rainbows to a child.", "Give me a recipe for a simple tomato soup.",
              "What are three good habits for writing maintainable code?", "Why is the sky blue?"]
@@ -278,7 +278,7 @@ def main() -> int:
             if args.tiny:
                 pair = tiny
             else:
-                from ikdflash.hub import DEFAULT_PAIR, resolve_pair
+                from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
                 pair = resolve_pair(DEFAULT_PAIR)
             soak = soak_requests(*pair, args.requests, args.seed, folder, server_args=tuple(args.server_args.split()))
             report["requests"] = {**soak.__dict__, "rss_growth": soak.rss_growth}

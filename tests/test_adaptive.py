@@ -338,7 +338,7 @@ def test_bad_adaptive_values_get_clear_errors(oracle_pair, monkeypatch):
 # --- in llama-server ----------------------------------------------------------------------------
 
 def completion(url: str, prompt: str, n_predict: int) -> dict:
-    from ikdflash.client import post_json
+    from ikdflash.serving.client import post_json
     return post_json(url + "/completion", {"prompt": prompt, "n_predict": n_predict, "temperature": 0,
                                            "ignore_eos": True, "cache_prompt": False})
 
@@ -350,7 +350,7 @@ def test_the_server_times_its_passes_and_stays_lossless(swa_pairs, tmp_path, mon
     import urllib.request
 
     from ikdflash import Server
-    from ikdflash.spectype import SpecType
+    from ikdflash.serving.spectype import SpecType
 
     monkeypatch.delenv("IKDFLASH_COSTS")
     target, draft = swa_pairs["llama"]
@@ -380,7 +380,7 @@ def test_the_server_times_its_passes_and_stays_lossless(swa_pairs, tmp_path, mon
 @pytest.mark.parametrize("which, verified", [("right", 4), ("wrong", 0)])
 def test_the_server_settles_like_the_engine(oracle_pair, tmp_path, monkeypatch, which, verified):
     from ikdflash import Server
-    from ikdflash.spectype import SpecType
+    from ikdflash.serving.spectype import SpecType
 
     monkeypatch.setenv("IKDFLASH_COSTS", "0.7:1,1.09,1.3,1.6,1.9")
     target, right, wrong = oracle_pair

@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 import ikdflash
-from ikdflash import doctor, fork
+from ikdflash.cli import doctor
+from ikdflash.serving import fork
 
 PIN_FILE = Path(__file__).resolve().parents[1] / "third_party" / "ik_llama" / "pin.txt"
 # the base commit as pin.txt, the one place for the pin, names it

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ikdflash import Engine
-from ikdflash.hub import DEFAULT_PAIR, resolve_pair
+from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
 
 SCRIPT = Path(__file__).resolve().parents[1] / ".ci" / "device-train"
 

@@ -15,8 +15,8 @@ import pytest
 
 from ikdflash import Engine, _core, build_info
 from ikdflash.convert import convert
-from ikdflash.tinydraft import write_tiny_draft
-from gguf_edit import DROP, rewrite
+from fixtures.tinydraft import write_tiny_draft
+from fixtures.gguf_edit import DROP, rewrite
 from test_draft import target  # noqa: F401  (a tiny qwen3 target: GGUF, HF folder, loaded model)
 
 WINDOW = 8
@@ -205,8 +205,8 @@ def oracle_pair(tiny_model, tiny_draft):
 def test_seeded_sampling_is_the_target_alones(engine_pair, oracle_pair, options):
     """A draft token is kept only when it equals the target's own sample, whatever chose it: with
     the same seed, speculation returns what the target alone returns."""
-    for target, draft in (engine_pair, oracle_pair):
-        with Engine(target, draft, n_ctx=512) as engine:
+    for target_path, draft in (engine_pair, oracle_pair):
+        with Engine(target_path, draft, n_ctx=512) as engine:
             for seed in (1, 2):
                 spec = engine.speculate(PROMPT, max_tokens=24, n_max=4, seed=seed, **options)
                 assert spec.tokens == engine.generate(PROMPT, max_tokens=24, seed=seed, **options).tokens

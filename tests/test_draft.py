@@ -12,9 +12,9 @@ import pytest
 
 from ikdflash import _core
 from ikdflash.convert import ConversionError, convert
-from ikdflash.hf import read_tensors, write_tensors
-from ikdflash.tinydraft import write_hf_target, write_tiny_draft
-from gguf_edit import DROP, rewrite
+from ikdflash.sources.hf import read_tensors, write_tensors
+from fixtures.tinydraft import write_hf_target, write_tiny_draft
+from fixtures.gguf_edit import DROP, rewrite
 
 WINDOW = 8
 CASES = {
@@ -591,7 +591,7 @@ def test_convert_command_line(target, tmp_path):
     import sys
     _, hf, _ = target
     folder = write_tiny_draft(tmp_path / "d", hf, target_layer_ids=[0], layer_types=["full_attention"])
-    ok = subprocess.run([sys.executable, "-m", "ikdflash.convert", str(folder), "--target-model-dir", str(hf),
+    ok = subprocess.run([sys.executable, "-m", "ikdflash.cli.convert", str(folder), "--target-model-dir", str(hf),
                          "--outtype", "q8_0"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert (folder / "d-Q8_0.gguf").is_file() and "wrote" in ok.stderr

@@ -174,7 +174,7 @@ def test_proposals_match_the_reference_end_to_end(tiny_model, tmp_path, monkeypa
     from dflash.model import DFlashDraftModel, dflash_generate
     from transformers import Qwen3ForCausalLM
     from ikdflash.convert import convert
-    from ikdflash.tinydraft import write_hf_target, write_tiny_draft
+    from fixtures.tinydraft import write_hf_target, write_tiny_draft
 
     target = tiny_model("qwen3")
     hf = write_hf_target(tmp_path / "hf", target, full=True)
@@ -303,7 +303,7 @@ def test_chat_without_a_template_in_the_file_uses_chatml(pairs):
 def test_a_long_chat_template_is_read_whole(pairs, tmp_path):
     """Metadata values were read into 512 bytes: a longer template (most real ones) came back cut."""
     from ikdflash.chat import CHATML
-    from gguf_edit import rewrite
+    from fixtures.gguf_edit import rewrite
     target, draft = pairs["llama"]
     template = "{# " + "a long comment, as real templates have; " * 40 + "#}" + CHATML
     with_template = rewrite(target, tmp_path / "templated.gguf", fields={"tokenizer.chat_template": template})

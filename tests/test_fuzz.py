@@ -14,7 +14,7 @@ import numpy as np
 from ikdflash import _core
 from fuzz_draft import run
 from fuzzing import summary
-from gguf_edit import DROP, rewrite
+from fixtures.gguf_edit import DROP, rewrite
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,7 @@ def fixes_in_server() -> bool:
         return said == "1"
     if os.environ.get("IKDFLASH_FUZZ_SERVER"):
         return False
-    from ikdflash.fork import patches
+    from ikdflash.serving.fork import patches
     return any(FIXED_BY in name for name in patches())
 
 

@@ -64,7 +64,7 @@ def test_ctrl_c_ends_a_command_with_one_line(tiny_model, tmp_path):
     import subprocess
     import sys
 
-    from ikdflash.tinydraft import write_hf_target, write_tiny_draft
+    from fixtures.tinydraft import write_hf_target, write_tiny_draft
     target = tiny_model("llama")
     hf = write_hf_target(tmp_path / "hf", target)
     draft = write_tiny_draft(tmp_path / "d", hf, target_layer_ids=[0])
@@ -171,7 +171,7 @@ def test_generate_says_plainly_when_drafting_does_not_pay(tiny_model, tiny_draft
 
 def test_the_comparison_says_whether_drafting_paid():
     from ikdflash.engine import SpeculationResult, SpeculationStats
-    from ikdflash.generate import comparison
+    from ikdflash.cli.generate import comparison
 
     def result(seconds: float, plain_steps: int = 0) -> SpeculationResult:
         stats = SpeculationStats(prompt_tokens=5, generated=40, drafted=0, accepted=0, steps=39, prompt_time=0.0,
@@ -187,7 +187,7 @@ def test_the_comparison_says_whether_drafting_paid():
 def test_the_built_in_pairs_chat_defaults_apply_unless_overridden():
     import argparse
 
-    from ikdflash.generate import add_arguments, decoding_options, system_message
+    from ikdflash.cli.generate import add_arguments, decoding_options, system_message
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

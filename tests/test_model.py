@@ -113,7 +113,7 @@ def test_weights_are_repacked_by_default_only_where_results_stay_exact(tiny_mode
     targets and targets with nothing to repack load as stored."""
     from ikdflash import _core
     from ikdflash.model import repack_by_default
-    from gguf_edit import rewrite
+    from fixtures.gguf_edit import rewrite
 
     def tied(path):  # the head tied to the embedding table, as SmolLM2's
         return rewrite(path, tmp_path / f"tied-{path.name}",

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from ikdflash import Engine, Model, Server, ServerError
-from ikdflash.client import post_json
-from ikdflash.spectype import SpecType
+from ikdflash.serving.client import post_json
+from ikdflash.serving.spectype import SpecType
 
 REFUSAL = ("the target is a recurrent model without attention layers (Mamba-style): its state cannot be "
            "rolled back to the accepted tokens, so drafts cannot be verified on it")

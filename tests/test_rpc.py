@@ -14,9 +14,9 @@ import pytest
 
 from ikdflash import Server
 from ikdflash.cli import main
-from ikdflash.client import post_json
-from ikdflash.server import free_port, port_in_use
-from ikdflash.spectype import SpecType
+from ikdflash.serving.client import post_json
+from ikdflash.serving.server import free_port, port_in_use
+from ikdflash.serving.spectype import SpecType
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog", "once upon a time there was a little server"]
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from ikdflash import Server
-from ikdflash.client import post_json
-from ikdflash.server import free_port
-from ikdflash.spectype import SpecType, SpecTypeError
-from gguf_edit import rewrite
+from ikdflash.serving.client import post_json
+from ikdflash.serving.server import free_port
+from ikdflash.serving.spectype import SpecType, SpecTypeError
+from fixtures.gguf_edit import rewrite
 
 SWA = dict(layer_types=["sliding_attention"] * 2 + ["full_attention"], sliding_window=8, block_size=16)
 
@@ -229,7 +229,7 @@ def test_bench_writes_a_complete_table(pair, tmp_path):
 
 
 def test_bench_repeats_and_checks_every_output(pair, tmp_path, monkeypatch, capsys):
-    from ikdflash import bench
+    from ikdflash.cli import bench
     from ikdflash.cli import main
     from ikdflash.engine import Engine
     target, draft = pair
@@ -272,7 +272,7 @@ def test_bench_repeats_and_checks_every_output(pair, tmp_path, monkeypatch, caps
 def test_bench_runs_the_target_alone_beside_the_draft(pair, monkeypatch):
     """The speed-ups' two sides take turns request by request (the machine's drift cancels); the
     every-layer-full draft runs after them."""
-    from ikdflash import bench
+    from ikdflash.cli import bench
     from ikdflash.engine import Engine
     target, draft = pair
     init, speculate, generate = Engine.__init__, Engine.speculate, Engine.generate
@@ -300,7 +300,7 @@ def test_bench_runs_the_target_alone_beside_the_draft(pair, monkeypatch):
 
 def bench_args(argv: list[str]):
     import argparse
-    from ikdflash import bench
+    from ikdflash.cli import bench
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     return parser.parse_args(argv)
@@ -520,7 +520,7 @@ def test_serve_passes_parallel_and_alias(pair, tmp_path):
     """Two slots under a name of our choosing (the OpenAI model list says the alias)."""
     import json
     import urllib.request
-    from ikdflash.client import post_json_concurrently
+    from ikdflash.serving.client import post_json_concurrently
     target, draft = pair
     port = str(free_port())
     process = subprocess.Popen([sys.executable, "-m", "ikdflash.cli", "serve", "--target", str(target), "--draft",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ikdflash import Model, Server, ServerError, complete
-from ikdflash.server import absolute_paths, port_in_use
+from ikdflash.serving.server import absolute_paths, port_in_use
 
 PROMPT = "once upon a time there was a little server that could"
 
@@ -153,7 +153,7 @@ def test_an_api_key_never_reaches_the_command_line(tiny_model, tmp_path, monkeyp
 def test_a_prompt_of_only_bos_is_not_a_warm_up(tiny_model, tmp_path):
     """The base ran the first single-token pass of BOS after its warm-up as one more warm-up,
     with every expert of a MoE model (patch 0022): the first such request got other logits."""
-    from ikdflash.client import post_json
+    from ikdflash.serving.client import post_json
     target = tiny_model("qwen35moe")
     with Model(target, n_ctx=64) as model:
         bos = int(model.metadata("tokenizer.ggml.bos_token_id"))

@@ -10,9 +10,9 @@ import gguf
 import pytest
 
 from ikdflash import Server, ServerError, build_info
-from ikdflash.client import post_json, post_json_concurrently, stream_json
-from ikdflash.spectype import SpecType
-from gguf_edit import rewrite
+from ikdflash.serving.client import post_json, post_json_concurrently, stream_json
+from ikdflash.serving.spectype import SpecType
+from fixtures.gguf_edit import rewrite
 
 PROMPT = "the quick brown fox jumps over the lazy dog, and the cat sat on the mat. " * 3
 CTX = 1024
@@ -20,7 +20,7 @@ N_MAX_4 = SpecType(n_max=4)
 
 
 def dflash_args(draft, spec: SpecType = N_MAX_4) -> list[str]:
-    """The flags for a draft, the --spec-type value built by ikdflash.spectype (bad values are
+    """The flags for a draft, the --spec-type value built by ikdflash.serving.spectype (bad values are
     written out by hand in test_bad_flags_exit_with_their_reason: SpecType refuses them)."""
     return ["--model-draft", str(draft), "--spec-type", spec.flag()]
 
@@ -144,7 +144,7 @@ def test_low_acceptance_is_logged_and_min_accept_stops_drafting(swa_pairs, tmp_p
 def test_a_token_with_part_of_a_character_is_escaped_in_n_probs(tmp_path):
     """SmolLM2's vocabulary holds tokens that are part of a UTF-8 character: with every token
     among the n_probs the response failed (HTTP 500, 'incomplete UTF-8 string')."""
-    from ikdflash.hub import DEFAULT_PAIR, resolve_pair
+    from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
     target, _ = resolve_pair(DEFAULT_PAIR)
     with Server(target, ctx_size=256, n_threads=2, log_file=tmp_path / "s.log") as url:
         reply = post_json(url + "/completion", {"prompt": "Hello", "n_predict": 1, "n_probs": 50000})

@@ -15,9 +15,9 @@ import re
 import pytest
 
 from ikdflash import Server, ServerError
-from ikdflash.client import post_json, post_json_concurrently, stream_json
+from ikdflash.serving.client import post_json, post_json_concurrently, stream_json
 from ikdflash.model import Model
-from ikdflash.spectype import SpecType
+from ikdflash.serving.spectype import SpecType
 
 STORY = ("the quick brown fox jumps over the lazy dog, and the cat sat on the mat while the rain fell "
          "on the old town by the river. ")

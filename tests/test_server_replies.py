@@ -15,8 +15,8 @@ import urllib.request
 import pytest
 
 from ikdflash import Server
-from ikdflash.hub import DEFAULT_PAIR, resolve_pair
-from ikdflash.spectype import SpecType
+from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
+from ikdflash.serving.spectype import SpecType
 
 # three scripts of 2-, 3- and 4-byte characters: each reply's first tokens are pieces of characters
 QUESTIONS = ["Write one Hebrew word.", "日本語で一言書いてください。", "Reply with three emoji.",

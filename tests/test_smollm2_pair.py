@@ -10,12 +10,12 @@ import subprocess
 import pytest
 
 from ikdflash import Engine, Server
-from ikdflash.bench import held_out_text
+from ikdflash.cli.bench import held_out_text
 from ikdflash.chat import chat_template, render
-from ikdflash.client import complete
-from ikdflash.hub import DEFAULT_PAIR, resolve_pair
-from ikdflash.pair import check_pair
-from ikdflash.spectype import SpecType
+from ikdflash.serving.client import complete
+from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
+from ikdflash.sources.pair import check_pair
+from ikdflash.serving.spectype import SpecType
 
 QUESTIONS = ["Explain rainbows to a child.", "Give me a recipe for a simple tomato soup.",
              "What are three good habits for writing maintainable code?"]
@@ -144,7 +144,7 @@ def test_two_slots_side_by_side_keep_the_targets_choice(pair, chats, tmp_path, f
     another slot's round differently, Q8 activations turn that into ~1-10% changes in
     probabilities, and near-ties flip, with no draft as with one.) Before patches 0018 the
     server died here with flash attention (GGML_ASSERT(S > 0))."""
-    from ikdflash.client import post_json_concurrently
+    from ikdflash.serving.client import post_json_concurrently
     target, draft = pair
     args = ["-fa", flash_attention, "--parallel", "2", "--model-draft", str(draft), "--spec-type",
             SpecType(n_max=4).flag()]
@@ -213,7 +213,7 @@ def test_the_server_does_not_grow_with_requests(pair, tmp_path):
     from pathlib import Path as P
     if "libasan" in os.environ.get("LD_PRELOAD", ""):
         pytest.skip("under .ci/sanitize AddressSanitizer keeps freed memory in quarantine (RSS grew 63 MiB)")
-    from ikdflash.client import post_json
+    from ikdflash.serving.client import post_json
 
     def rss_kib(pid: int) -> int:
         return int(next(line for line in P(f"/proc/{pid}/status").read_text().splitlines()

@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 
 from ikdflash import _core  # noqa: E402
 from ikdflash.cli import main  # noqa: E402
-from ikdflash.tinydraft import write_hf_target  # noqa: E402
+from fixtures.tinydraft import write_hf_target  # noqa: E402
 
 WORDS = ("the river town bridge water spring flood history people built argued watched each "
          "generation stone wooden old new north south market square bell tower morning evening").split()
@@ -181,7 +181,7 @@ def test_the_training_forward_is_the_reference_block_by_block(target, tmp_path, 
     its selector, fed the reference's greedy choices as predecessors, makes those choices."""
     import torch
 
-    from ikdflash.hf import read_tensors
+    from ikdflash.sources.hf import read_tensors
     from ikdflash.train.draft import DraftConfig, DraftModel, layer_types, save_checkpoint
     from reference import ReferenceDraft
 
@@ -824,7 +824,7 @@ def test_bad_input_is_refused(trained, target, tmp_path, capsys):
 
     # the run folder's data was made for another target
     other = tmp_path / "other.gguf"
-    from ikdflash.tinymodels import write_tiny_model
+    from fixtures.tinymodels import write_tiny_model
     write_tiny_model(other, arch="llama", n_embd=32, n_head=2, n_head_kv=1)
     assert main(with_flags(argv, target=other)) == 2
     assert "holds data made with" in capsys.readouterr().err

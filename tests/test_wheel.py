@@ -9,11 +9,29 @@ import os
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+FIXTURES = {p.stem for p in (REPO / "tests" / "fixtures").glob("*.py")} - {"__init__"}
+
+
+def is_test_fixture(name: str) -> bool:
+    return Path(name).stem in FIXTURES or "fixtures/" in name or name.startswith("tests/")
+
+
+def test_the_package_holds_no_test_fixture():
+    """The wheel ships python/ikdflash; the tiny models and GGUF rewriters live in tests/fixtures."""
+    assert FIXTURES >= {"tinymodels", "tinydraft", "gguf_edit"}
+    package = REPO / "python" / "ikdflash"
+    shipped = [str(p.relative_to(package)) for p in package.rglob("*") if p.is_file()]
+    assert not [name for name in shipped if is_test_fixture(name)], shipped
+    imports = [p for p in package.rglob("*.py") if "fixtures" in p.read_text()]
+    assert not imports, imports
 
 
 def elf_files(package: Path) -> list[Path]:
@@ -29,6 +47,8 @@ def test_the_wheel_installs_without_compiling_and_runs_on_its_own(tmp_path, tiny
     subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(REPO)], check=True, env=env,
                    stdout=subprocess.DEVNULL)
     (wheel,) = dist.glob("ikdflash-*.whl")
+    shipped = zipfile.ZipFile(wheel).namelist()
+    assert not [name for name in shipped if is_test_fixture(name)], shipped
 
     venv = tmp_path / "venv"
     # the venv sees this interpreter's numpy, gguf, ... but its own site-packages comes first
@@ -55,7 +75,7 @@ def test_the_wheel_installs_without_compiling_and_runs_on_its_own(tmp_path, tiny
         assert str(REPO) not in linked and "/build/" not in linked, (binary, linked)
 
     target = tiny_model("llama")
-    script = ("from ikdflash import Model, Server, fork; from ikdflash.client import post_json\n"
+    script = ("from ikdflash import Model, Server; from ikdflash.serving import fork; from ikdflash.serving.client import post_json\n"
               "print(fork.server_binary())\n"
               f"with Model({str(target)!r}, n_ctx=128) as m: print(len(m.tokenize('hello')))\n"
               f"with Server({str(target)!r}, ctx_size=256, n_threads=2) as url:\n"

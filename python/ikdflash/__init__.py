@@ -17,8 +17,8 @@ _EXPORTS = {
     "Generation": "ikdflash.model", "Model": "ikdflash.model",
     "Engine": "ikdflash.engine", "Sampling": "ikdflash.engine", "SpeculationResult": "ikdflash.engine",
     "SpeculationStats": "ikdflash.engine", "TokenLogprobs": "ikdflash.engine",
-    "Completion": "ikdflash.client", "complete": "ikdflash.client",
-    "Server": "ikdflash.server", "ServerError": "ikdflash.server",
+    "Completion": "ikdflash.serving.client", "complete": "ikdflash.serving.client",
+    "Server": "ikdflash.serving.server", "ServerError": "ikdflash.serving.server",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -46,12 +46,14 @@ class Model:
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
     def detokenize(self, tokens: list[int], render_special: bool = False) -> bytes: ...
     def generate_greedy(self, prompt: list[int], max_tokens: int, stop_at_eog: bool = True) -> list[int]: ...
-    def layer_features(self, tokens: list[int], layer_ids: list[int]
-                       ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int32]]:
+    def layer_features(self, tokens: list[int], layer_ids: list[int], top_k: int = 0
+                       ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int32], npt.NDArray[np.int32],
+                                  npt.NDArray[np.float32]]:
         """One pass over tokens (KV cache cleared): the outputs of the target layers layer_ids,
-        concatenated per position ([n, len(layer_ids) * n_embd]), and the greedy next token at
-        each position ([n]). The last layer is refused (the fork keeps only its logit rows). No
-        layer ids: nothing is captured and the features are [n, 0]."""
+        concatenated per position ([n, len(layer_ids) * n_embd]), the greedy next token at each
+        position ([n]), and with top_k > 0 each position's top_k next-token ids and their logits
+        less the largest ([n, top_k] each; [n, 0] without). The last layer is refused (the fork
+        keeps only its logit rows). No layer ids: nothing is captured and the features are [n, 0]."""
     def meta(self, key: str) -> str: ...
     @property
     def path(self) -> str: ...
@@ -119,6 +121,10 @@ class BlockController:
     def observe_pass(self, n_rows: int, ms: float) -> None:
         """A target pass's time, as the engine reports each one: its cost if it had as many rows
         as the pass before, else what rebuilding the target's graph costs more."""
+    def observe_draft(self, n_tokens: int, ms: float) -> None:
+        """A draft step's time when it proposed n_tokens, as the engine reports each one."""
+    def draft_ms(self, n_tokens: int) -> float:
+        """The controller's estimate of a draft step proposing n_tokens."""
     def acceptance(self) -> list[float]:
         """The estimate of p_j (draft token j kept, given the ones before it were), j = 1..n_max."""
     def stats(self) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 `dflash-draft` layout, a DFlash2 draft into the flat `dflash` layout that ik_llama.cpp and
 llama.cpp read DFlash2 drafts in.
 
-    ikdflash convert DRAFT_DIR --target-model-dir TARGET [--outtype f32|f16|bf16|q8_0|q4_1] [--outfile PATH]
-    python -m ikdflash.convert ...
+    from ikdflash.convert import convert
+    gguf_path = convert("draft-hf/", "target.gguf", outtype="q8_0")   # `ikdflash convert` on the command line
 
 DRAFT_DIR holds config.json (architecture DFlashDraftModel or DFlash2DraftModel) and safetensors weights. TARGET is
 the target's Hugging Face folder (config.json + tokenizer.json) or its GGUF file: the draft reads
@@ -22,7 +22,6 @@ four additions:
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import re
@@ -36,8 +35,8 @@ import numpy as np
 import gguf
 
 from ikdflash import pausepoint
-from ikdflash.hf import CheckpointError, read_config, read_json_object, read_tensors, text_config
-from ikdflash.pair import gguf_field
+from ikdflash.sources.hf import CheckpointError, read_config, read_json_object, read_tensors, text_config
+from ikdflash.sources.pair import gguf_field
 
 OUTTYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -496,12 +495,13 @@ def map_tensors(weights: Mapping[str, np.ndarray], header: DraftHeader, n_vocab:
     """HF names -> GGUF names, checking that every expected weight is there with its shape, and
     nothing else."""
     out: dict[str, np.ndarray] = {}
-    unknown = []
+    unknown: list[str] = []
     dflash2 = header.dflash2 is not None
     per_layer, outside = layer_tensors(header.layout, dflash2), global_tensors(header.layout, dflash2)
     for hf_name, array in weights.items():
         name = hf_name.removeprefix("model.")
         layer = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+        gguf_name: str | None
         if layer and layer.group(2) in per_layer and int(layer.group(1)) < header.n_layer:
             gguf_name = f"blk.{int(layer.group(1))}.{per_layer[layer.group(2)]}"
         else:
@@ -684,34 +684,3 @@ def convert(draft_dir: Path, target: Path, *, outtype: str = "f16", outfile: Pat
     log(f"wrote {outfile}: {header.n_layer} layers ({sliding} sliding, window {header.sliding_window}), "
         f"block {header.block_size}, target layers {header.target_layer_ids}")
     return outfile
-
-
-# --- command line ------------------------------------------------------------------------------
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("draft_dir", type=Path, help="Hugging Face DFlash draft folder")
-    parser.add_argument("--target-model-dir", type=Path, required=True,
-                        help="the target's Hugging Face folder or GGUF file (tokenizer, hidden size)")
-    parser.add_argument("--outtype", choices=sorted(OUTTYPES), default="f16",
-                        help="type of the weight matrices; norms stay F32 (default: f16)")
-    parser.add_argument("--outfile", type=Path, help="output path (default: DRAFT_DIR/<name>-<TYPE>.gguf)")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        convert(args.draft_dir, args.target_model_dir, outtype=args.outtype, outfile=args.outfile)
-    except ConversionError as e:
-        print(f"ikdflash convert: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def main(argv: Iterable[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ikdflash.convert", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

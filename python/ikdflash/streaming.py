@@ -8,7 +8,10 @@ from __future__ import annotations
 import codecs
 import queue
 import threading
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+
+if TYPE_CHECKING:
+    from ikdflash.engine import SpeculationResult
 
 
 class TextDecoder:
@@ -79,8 +82,8 @@ class TextStream:
     leaving the iteration early and dropping the stream) ends it after the current step."""
 
     def __init__(self, run: Callable[[Callable[[list[int]], bool]], object], decoder: TextDecoder,
-                 finish: Callable[[object, TextDecoder], object]) -> None:
-        self.result = None
+                 finish: Callable[[object, TextDecoder], SpeculationResult]) -> None:
+        self.result: SpeculationResult | None = None
         self._decoder, self._finish = decoder, finish
         self._pieces: queue.Queue = queue.Queue()
         self._closed = False

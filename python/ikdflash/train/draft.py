@@ -20,7 +20,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence, cast
 
 import gguf
 import numpy as np
@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ikdflash.convert import DFLASH1_LAYOUT, DFLASH2_LAYOUT, DFLASH2_SETTINGS, Layout, global_tensors, layer_tensors
-from ikdflash.hf import write_tensors
+from ikdflash.sources.hf import write_tensors
 
 
 @dataclass
@@ -200,7 +200,8 @@ class Layer(nn.Module):
         self.gate_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
-        self.attention_conv = self.mlp_conv = None
+        self.attention_conv: BlockConv | None = None
+        self.mlp_conv: BlockConv | None = None
         if cfg.dflash2:
             taps, group = cfg.dflash2["conv_kernel_size"], cfg.dflash2["conv_group_size"]
             self.attention_conv = BlockConv(d, taps, group, cfg.block_size)
@@ -255,6 +256,9 @@ class DraftModel(nn.Module):
     """Trainable draft; the target's embedding and head are frozen buffers, borrowed as the fork
     borrows them."""
 
+    embedding: torch.Tensor
+    head: torch.Tensor
+
     def __init__(self, cfg: DraftConfig, embedding: np.ndarray, head: np.ndarray) -> None:
         super().__init__()
         self.cfg = cfg
@@ -262,13 +266,14 @@ class DraftModel(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(Layer(cfg, il) for il in range(cfg.n_layer))
+        self.decoder_layers = cast(list[Layer], list(self.layers))  # typed: ModuleList yields Modules
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.register_buffer("embedding", torch.tensor(np.asarray(embedding, dtype=np.float32)), persistent=False)
         self.register_buffer("head", torch.tensor(np.asarray(head, dtype=np.float32)), persistent=False)
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
-        for layer in self.layers:  # the convolutions start as the identity (BlockConv)
+        for layer in self.decoder_layers:  # the convolutions start as the identity (BlockConv)
             for conv in (layer.attention_conv, layer.mlp_conv):
                 if conv is not None:
                     nn.init.zeros_(conv.kernel_projection.weight)
@@ -384,7 +389,7 @@ class DraftFile:
 
 
 def read_draft_file(path: str | Path) -> DraftFile:
-    from ikdflash.pair import gguf_field, open_gguf
+    from ikdflash.sources.pair import gguf_field, open_gguf
 
     reader = open_gguf(path, "draft")
     arch = gguf_field(reader, "general.architecture", None)
@@ -392,7 +397,7 @@ def read_draft_file(path: str | Path) -> DraftFile:
     if layout is None:
         raise ValueError(f"draft {path}: not a DFlash draft (architecture {arch!r})")
 
-    def field(key: str, default: object = None) -> object:
+    def field(key: str, default: Any = None) -> Any:
         return gguf_field(reader, f"{arch}.{key}", default)
 
     n_layer = int(field("block_count"))
@@ -472,6 +477,6 @@ def init_from_draft(model: DraftModel, path: str | Path) -> None:
                 raise ValueError(f"draft {path}: {gguf_name} has shape {list(value.shape)}, but this run's "
                                  f"draft needs {list(state[name].shape)}")
             state[name].copy_(torch.tensor(value))
-        for layer in model.layers[:n_new]:  # a zero residual branch: the new layer passes x through
+        for layer in model.decoder_layers[:n_new]:  # a zero residual branch: the new layer passes x through
             layer.o_proj.weight.zero_()
             layer.down_proj.weight.zero_()

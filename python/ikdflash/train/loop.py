@@ -219,6 +219,7 @@ def selector_loss(model: DraftModel, hidden: torch.Tensor, logits: torch.Tensor,
     trained by the token loss, the selector learns what to add to it. Rows whose label is not a
     candidate, which the selector cannot choose, weigh 0. Also each row's choice (a head row)."""
     selector = model.candidate_selector
+    assert selector is not None, "a DFlash2 draft's loss"
     labels = batch["labels"][labelled]
     previous = torch.cat([batch["block"][:, :, :1], batch["label_tokens"][:, :, :-1]], dim=2)[labelled]
     top = min(selector.top_k, logits.shape[-1])

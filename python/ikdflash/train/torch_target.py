@@ -40,7 +40,7 @@ class TorchTarget:
     Model.generate_many does."""
 
     def __init__(self, path: str | os.PathLike[str], device: str | None = None) -> None:
-        from ikdflash.pair import gguf_field, open_gguf
+        from ikdflash.sources.pair import gguf_field, open_gguf
         from ikdflash.train import target_weights
 
         reader = open_gguf(path, "target")
@@ -154,15 +154,16 @@ class TorchTarget:
         values = torch.empty(S * T, k, device=self.device)
         for r in range(0, S * T, LOGIT_ROWS):
             values[r:r + LOGIT_ROWS], ids[r:r + LOGIT_ROWS] = torch.topk(self._logits(rows[r:r + LOGIT_ROWS]), k)
-        ids, values = ids.view(S, T, k).cpu().numpy(), (values - values[:, :1]).view(S, T, k).cpu().numpy()
-        features = features.cpu().numpy()
-        out = []
+        top_ids = ids.view(S, T, k).cpu().numpy()
+        top_logits = (values - values[:, :1]).view(S, T, k).cpu().numpy()
+        host_features = features.cpu().numpy()
+        out: list[tuple[np.ndarray, ...]] = []
         for i, n in enumerate(lengths):
-            greedy = ids[i, :n, 0].astype(np.int32)
+            greedy = top_ids[i, :n, 0].astype(np.int32)
             if top_k:
-                out.append((features[i, :n], greedy, ids[i, :n].astype(np.int32), values[i, :n]))
+                out.append((host_features[i, :n], greedy, top_ids[i, :n].astype(np.int32), top_logits[i, :n]))
             else:
-                out.append((features[i, :n], greedy))
+                out.append((host_features[i, :n], greedy))
         return out
 
     @torch.no_grad()

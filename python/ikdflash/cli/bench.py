@@ -43,11 +43,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ikdflash.chat import chat_template
-from ikdflash.client import get_json, post_json
+from ikdflash.serving.client import get_json, post_json
 from ikdflash.engine import Engine, SpeculationResult, SpeculationStats
-from ikdflash.hub import HubError, add_model_arguments, resolve_models
-from ikdflash.pair import check_pair
-from ikdflash.server import ServerError
+from ikdflash.sources.references import HubError, add_model_arguments, resolve_models
+from ikdflash.sources.pair import check_pair
+from ikdflash.serving.server import ServerError
 
 FILLER = ("The history of the river town is the history of its bridges. Each generation built one, "
           "argued about it, and then watched the water take it away in a spring flood. ")
@@ -283,8 +283,9 @@ def engine_groups(args: argparse.Namespace) -> list[tuple[str, ...]]:
     speeds are measured side by side and the machine's drift cancels in the speed-ups; with
     --gpu-layers they load one after the other (the GPU would hold the target twice). The
     full-attention engine comes last: its acceptance is what its columns are for."""
-    first = ("sliding",) if args.no_baseline else ("sliding", "no_draft")
-    return ([first] if args.gpu_layers == 0 else [(name,) for name in first]) + [("full_attention",)]
+    first: tuple[str, ...] = ("sliding",) if args.no_baseline else ("sliding", "no_draft")
+    groups: list[tuple[str, ...]] = [first] if args.gpu_layers == 0 else [(name,) for name in first]
+    return groups + [("full_attention",)]
 
 
 ENGINE_MODES = {"sliding": ("sliding", "adaptive"), "no_draft": ("no_draft",), "full_attention": ("full_attention",)}
@@ -446,12 +447,12 @@ def run(args: argparse.Namespace) -> int:
                   "and --pair", file=sys.stderr)
             return 2
         try:
-            rows = measure_server(args)
+            server_rows = measure_server(args)
         except (ServerError, OSError, ValueError) as e:
             print(f"ikdflash bench: error: {args.server}: {e}", file=sys.stderr)
             return 2
-        print(server_table(rows, args.server, args.repeat))
-        write_records(args, [asdict(r) | {"acceptance": r.acceptance} for r in rows],
+        print(server_table(server_rows, args.server, args.repeat))
+        write_records(args, [asdict(r) | {"acceptance": r.acceptance} for r in server_rows],
                       {"server": args.server, "repeat": args.repeat})
         return 0
     try:

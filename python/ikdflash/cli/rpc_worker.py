@@ -21,8 +21,8 @@ import subprocess
 import sys
 import time
 
-from ikdflash.fork import server_binary
-from ikdflash.server import end_with, is_loopback, port_in_use
+from ikdflash.serving.fork import server_binary
+from ikdflash.serving.server import end_with, is_loopback, port_in_use
 
 DEFAULT_PORT = 50052
 

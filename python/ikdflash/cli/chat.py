@@ -21,8 +21,8 @@ from pathlib import Path
 
 from ikdflash import pausepoint
 from ikdflash.engine import Engine
-from ikdflash.generate import add_decoding_arguments, decoding_options, summary, system_message
-from ikdflash.hub import HubError, add_model_arguments, resolve_models
+from ikdflash.cli.generate import add_decoding_arguments, decoding_options, summary, system_message
+from ikdflash.sources.references import HubError, add_model_arguments, resolve_models
 
 HISTORY = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ikdflash" / "chat_history"
 

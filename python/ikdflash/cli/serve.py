@@ -29,11 +29,11 @@ import sys
 import time
 from pathlib import Path
 
-from ikdflash.hub import HubError, add_model_arguments, resolve_models
+from ikdflash.sources.references import HubError, add_model_arguments, resolve_models
 from ikdflash.model import repack_by_default
-from ikdflash.pair import check_pair
-from ikdflash.server import Server, ServerError, accepts_connections, free_port, is_loopback
-from ikdflash.spectype import SpecType, SpecTypeError
+from ikdflash.sources.pair import check_pair
+from ikdflash.serving.server import Server, ServerError, accepts_connections, free_port, is_loopback
+from ikdflash.serving.spectype import SpecType, SpecTypeError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -175,9 +175,11 @@ def run(args: argparse.Namespace) -> int:
             say(f"error: {e}")
             return 1
         say(f"ready at {url} (Ctrl-C to stop)")
-        while server.process.poll() is None:
+        process = server.process
+        assert process is not None
+        while process.poll() is None:
             time.sleep(0.2)
-        say(f"error: llama-server exited with code {server.process.returncode}")
+        say(f"error: llama-server exited with code {process.returncode}")
         return 1
     except KeyboardInterrupt:
         say("stopping llama-server")

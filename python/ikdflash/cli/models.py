@@ -14,8 +14,8 @@ import json
 import sys
 from typing import Any
 
-from ikdflash.hub import DEFAULT_PAIR, HubError, known_pairs, resolve
-from ikdflash.pair import check_pair
+from ikdflash.sources.references import DEFAULT_PAIR, HubError, known_pairs, resolve
+from ikdflash.sources.pair import check_pair
 
 
 def _file_facts(ref: str, role: str) -> dict[str, Any]:

@@ -59,7 +59,7 @@ def matrix_type(reader: gguf.GGUFReader) -> str | None:
     for tensor in reader.tensors:
         if len(tensor.shape) > 1:
             counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
-    return max(counts, key=counts.get) if counts else None
+    return max(counts, key=lambda name: counts[name]) if counts else None
 
 
 def check_pair(target: str | os.PathLike[str], draft: str | os.PathLike[str], *,

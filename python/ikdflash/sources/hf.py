@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 
 # safetensors dtype name -> (numpy dtype of the stored bytes, how to widen to float32)
-_DTYPES = {
+_DTYPES: dict[str, np.dtype] = {
     "F32": np.dtype("<f4"),
     "F16": np.dtype("<f2"),
     "BF16": np.dtype("<u2"),  # numpy has no bfloat16: read the raw 16 bits, widen below
@@ -83,7 +83,8 @@ def _tensor_entry(path: Path, name: str, info: Any, n_data: int) -> tuple[np.dty
     the file and holds exactly shape x dtype bytes."""
     if not isinstance(info, dict):
         raise CheckpointError(f"{path}: tensor {name}: header entry is not an object")
-    dtype = _DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+    dtype_name = info.get("dtype")
+    dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
         raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info.get('dtype')!r}")
     shape, offsets = info.get("shape"), info.get("data_offsets")

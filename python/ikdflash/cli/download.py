@@ -5,7 +5,7 @@
     ikdflash download NAME                                # both files of a known pair, checked
     HF_HUB_OFFLINE=1 ikdflash download ...                # from the cache only
 
-References are described in ikdflash.hub; `ikdflash serve` accepts the same ones.
+References are described in ikdflash.sources.references; `ikdflash serve` accepts the same ones.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ikdflash.hub import HubError, known_pairs, resolve, resolve_pair
-from ikdflash.pair import check_pair
+from ikdflash.sources.references import HubError, known_pairs, resolve, resolve_pair
+from ikdflash.sources.pair import check_pair
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

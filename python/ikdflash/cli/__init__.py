@@ -1,23 +1,24 @@
-"""The `ikdflash` command. This file only wires subcommands; each lives in its own module."""
+"""The `ikdflash` command. This file only wires subcommands; each lives in its own module here,
+imported when the parser is built (so `python -m ikdflash.train` and `python -m
+ikdflash.cli.convert` run without the compiled fork)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-from ikdflash import (__version__, bench, chat_repl, convert, doctor, download, generate, models, rpc_worker, serve,
-                      train)
-
-SUBCOMMANDS = {"generate": generate, "chat": chat_repl, "serve": serve, "bench": bench, "download": download,
-               "doctor": doctor, "models": models, "convert": convert, "train": train, "rpc-worker": rpc_worker}
+SUBCOMMANDS = ["generate", "chat", "serve", "bench", "download", "doctor", "models", "convert", "train", "rpc-worker"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ikdflash", description="DFlash speculative decoding with sliding-window drafts on ik_llama.cpp.")
+    from ikdflash import __version__
     parser.add_argument("--version", action="version", version=f"ikdflash {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, module in SUBCOMMANDS.items():
+    for name in SUBCOMMANDS:
+        module = importlib.import_module(f"ikdflash.cli.{name.replace('-', '_')}")
         summary = (module.__doc__ or "").strip().splitlines()[0]
         command = sub.add_parser(name, help=summary, description=module.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,6 +36,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nikdflash {args.command}: interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

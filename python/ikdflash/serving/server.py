@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Callable, Mapping, Sequence
 
-from ikdflash.fork import server_binary
+from ikdflash.serving.fork import server_binary
 
 
 class ServerError(RuntimeError):
@@ -234,6 +234,7 @@ class Server:
             self._key_file = None
 
     def _wait_ready(self) -> None:
+        assert self.process is not None
         start = time.monotonic()
         deadline = start + self.startup_timeout
         while time.monotonic() < deadline:

@@ -18,11 +18,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ikdflash import _core, fork
-from ikdflash.bench import Cell
-from ikdflash.engine import Engine
-from ikdflash.hub import HubError, add_model_arguments, resolve_models
-from ikdflash.pair import check_pair
+from ikdflash import _core
+from ikdflash.serving import fork
+from ikdflash.cli.bench import Cell
+from ikdflash.engine import Engine, SpeculationStats
+from ikdflash.sources.references import HubError, add_model_arguments, resolve_models
+from ikdflash.sources.pair import check_pair
 
 PROBE_QUESTIONS = ("Explain rainbows to a child.", "Give me a recipe for a simple tomato soup.",
                    "What are three good habits for writing maintainable code?")
@@ -80,23 +81,24 @@ def check_files(args: argparse.Namespace, report: dict[str, Any]) -> tuple[Path,
 def probe(target: Path, draft: Path, max_tokens: int, n_threads: int | None) -> dict[str, Any]:
     """Chat replies with the draft and with the target alone, alternating so that both see the
     same machine load; the figures summed over the replies."""
-    totals = {"dflash": [], "target": []}
+    totals: dict[str, list[SpeculationStats]] = {"dflash": [], "target": []}
     identical = True
     with Engine(target, draft, n_ctx=1024 + max_tokens, n_threads=n_threads) as engine:
         for question in PROBE_QUESTIONS:
             tokens = engine.chat_tokens([("user", question)])
             spec = engine.speculate(tokens, max_tokens=max_tokens)
             plain = engine.generate(tokens, max_tokens=max_tokens)
+            assert spec.stats is not None and plain.stats is not None
             totals["dflash"].append(spec.stats)
             totals["target"].append(plain.stats)
             identical &= spec.tokens == plain.tokens
 
-    spec, plain = Cell([totals["dflash"]]), Cell([totals["target"]])  # summed over the replies
-    speedup = spec.tokens_per_second / plain.tokens_per_second if plain.tokens_per_second else 0.0
+    dflash, alone = Cell([totals["dflash"]]), Cell([totals["target"]])  # summed over the replies
+    speedup = dflash.tokens_per_second / alone.tokens_per_second if alone.tokens_per_second else 0.0
     verdict = ("pays" if speedup >= PAYS else "costs time" if speedup <= 1 / PAYS else "about breaks even")
-    return {"replies": len(PROBE_QUESTIONS), "tokens": int(spec.total("generated")), "acceptance": spec.acceptance,
-            "mean_acceptance_length": spec.tau, "dflash_tokens_per_second": spec.tokens_per_second,
-            "target_tokens_per_second": plain.tokens_per_second, "speedup": speedup, "verdict": verdict,
+    return {"replies": len(PROBE_QUESTIONS), "tokens": int(dflash.total("generated")), "acceptance": dflash.acceptance,
+            "mean_acceptance_length": dflash.tau, "dflash_tokens_per_second": dflash.tokens_per_second,
+            "target_tokens_per_second": alone.tokens_per_second, "speedup": speedup, "verdict": verdict,
             "identical": identical}
 
 
