@@ -1,0 +1,151 @@
+"""Generate with DFlash and say how much the draft helped.
+
+    ikdflash generate "Explain rainbows to a child."            # the built-in pair, as a chat
+    ikdflash generate --system "You are a helpful assistant." "..."
+    ikdflash generate --pair NAME --max-tokens 256 "..."
+    echo "Once upon a time" | ikdflash generate --raw --target T.gguf --draft D.gguf
+    ikdflash generate --no-compare "..."                        # without the target alone's run
+
+The prompt is wrapped in the target's chat template unless --raw. The text streams to stdout as
+each step commits it; on stderr follow a line with tokens, speed, acceptance, mean acceptance
+length (tau), why the text ended and what the adaptive block length did, then the target alone's
+run of the same prompt and how DFlash's speed compares with it. The two runs are measured alike:
+both engines are loaded and warmed up (a short generation each, which is also where the adaptive
+block length times the target's passes) before either is timed, both stream through the same
+path, and each speed is generated tokens over generation time (the prompt's pass excluded). The
+built-in pair answers with a plain system prompt and a repetition penalty of 1.1 unless told
+otherwise (sources.references.PAIR_CHAT_DEFAULTS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from typing import Sequence
+
+from ikdflash import pausepoint
+from ikdflash.engine import Engine, SpeculationResult, SpeculationStats
+from ikdflash.sources.references import HubError, add_model_arguments, chat_defaults, resolve_models
+
+# Below this speed-up DFlash is said not to pay: the machine's noise is a few percent.
+PAYS = 1.03
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", nargs="?", help="the prompt (default: read stdin)")
+    add_model_arguments(parser)
+    parser.add_argument("--raw", action="store_true", help="send the prompt as it is, without the chat template")
+    parser.add_argument("--system", help="a system message before the prompt (default: the built-in pair's "
+                        "plain one; else the template's own, if any)")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    add_decoding_arguments(parser)
+    parser.add_argument("-c", "--ctx-size", type=int, default=4096)
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--stop", action="append", help="a string that ends the text (repeatable)")
+    parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                        help="also generate with the target alone and compare speeds (default; --no-compare skips it)")
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
+    """Draft length and sampling, for the commands that generate (generate, chat)."""
+    parser.add_argument("--n-max", type=int, default=4, help="draft tokens per step, at most (default 4)")
+    parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                        help="each step verifies as many drafts as pay on this machine (default); "
+                             "--no-adaptive: always --n-max")
+    parser.add_argument("--temperature", type=float, help="0: greedy (default)")
+    parser.add_argument("--repeat-penalty", type=float,
+                        help="penalty on the last 64 tokens (default 1: off; the built-in pair: 1.1)")
+    parser.add_argument("--seed", type=int, help="sampling seed (with --temperature)")
+
+
+def decoding_options(args: argparse.Namespace) -> dict:
+    """Engine keywords from add_decoding_arguments' options, over the pair's chat defaults."""
+    options = {k: v for k, v in chat_defaults(args).items() if k != "system"}
+    options.update({name: getattr(args, name) for name in ("temperature", "repeat_penalty", "seed")
+                    if getattr(args, name) is not None})
+    return {"n_max": args.n_max, "adaptive": args.adaptive, **options}
+
+
+def system_message(args: argparse.Namespace) -> str | None:
+    return args.system if args.system is not None else chat_defaults(args).get("system")
+
+
+def summary(label: str, stats: SpeculationStats, finish_reason: str) -> str:
+    line = f"{label}: {stats.generated} tokens ({finish_reason}), {stats.tokens_per_second:.1f} tok/s"
+    if stats.drafted:
+        line += (f", acceptance {stats.acceptance:.1%}, tau {stats.mean_acceptance_length:.2f} "
+                 f"({stats.accepted}/{stats.drafted} drafts accepted in {stats.steps} steps)")
+    if stats.steps_by_verified and stats.steps_by_verified[0]:
+        line += (f"; {stats.steps_by_verified[0]} of {stats.generated} tokens decoded one at a time "
+                 f"({stats.probes} probes)")
+    return line
+
+
+WARM_UP_TOKENS = 4  # a short generation per engine before the timed ones
+
+
+def streamed(engine: Engine, tokens: list[int], echo: bool, max_tokens: int, stop: Sequence[str],
+             options: dict) -> SpeculationResult:
+    """One generation through Engine.stream, printed as it commits when echo. Closed on the way
+    out: Ctrl-C ends the generation after its current step, where the engine's close would
+    otherwise wait for it to run to max_tokens."""
+    with engine.stream(tokens, max_tokens=max_tokens, stop=stop, **options) as stream:
+        for n, piece in enumerate(stream):
+            if echo:
+                print(piece, end="", flush=True)
+                if n == 0:
+                    pausepoint.reached("reply")
+    assert stream.result is not None and stream.result.stats is not None
+    return stream.result
+
+
+def comparison(out: SpeculationResult, plain: SpeculationResult) -> str:
+    """The target alone's line: its speed, DFlash's against it, and plainly whether drafting paid."""
+    assert out.stats is not None and plain.stats is not None
+    ratio = out.stats.tokens_per_second / plain.stats.tokens_per_second if plain.stats.generated else 0.0
+    line = summary("target alone", plain.stats, plain.finish_reason) + f"; DFlash {ratio:.2f}x its speed"
+    if plain.tokens != out.tokens:
+        line += " (outputs differ!)"
+    elif ratio < PAYS:
+        share = out.stats.plain_share
+        line += (": drafting does not pay for this pair on this machine" +
+                 (f"; the adaptive block length decoded {share:.0%} of the tokens without drafts" if share else ""))
+    return line
+
+
+def run(args: argparse.Namespace) -> int:
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        print("ikdflash generate: error: the prompt is empty", file=sys.stderr)
+        return 2
+    try:
+        target, draft = resolve_models(args)
+        with contextlib.ExitStack() as engines:
+            engine = engines.enter_context(Engine(target, draft, n_ctx=args.ctx_size, n_threads=args.threads))
+            # the target alone has no draft to feed: its own engine, loaded before either is timed
+            alone = (engines.enter_context(Engine(target, n_ctx=args.ctx_size, n_threads=args.threads))
+                     if args.compare else None)
+            if args.raw:
+                tokens = engine.target.tokenize(prompt)
+            else:
+                system = system_message(args)
+                tokens = engine.chat_tokens(([("system", system)] if system else []) + [("user", prompt)])
+            options = decoding_options(args)
+            alone_options = {k: v for k, v in options.items() if k not in ("n_max", "adaptive")}
+            alone_options.update(n_max=0, adaptive=False)
+            stop = args.stop or ()
+            if alone is not None:
+                streamed(engine, tokens, False, WARM_UP_TOKENS, stop, options)
+                streamed(alone, tokens, False, WARM_UP_TOKENS, stop, alone_options)
+            out = streamed(engine, tokens, True, args.max_tokens, stop, options)
+            print()
+            assert out.stats is not None
+            print(summary("dflash", out.stats, out.finish_reason), file=sys.stderr)
+            if alone is not None:
+                plain = streamed(alone, tokens, False, args.max_tokens, stop, alone_options)
+                print(comparison(out, plain), file=sys.stderr)
+    except (HubError, FileNotFoundError, ValueError, RuntimeError) as e:  # RuntimeError: a failed decode
+        print(f"ikdflash generate: error: {e}", file=sys.stderr)
+        return 2
+    return 0
