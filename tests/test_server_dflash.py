@@ -96,6 +96,7 @@ def test_statistics_add_up_and_reach_metrics(oracle_pair, tmp_path):
     target, draft, _ = oracle_pair
     with Server(target, ctx_size=512, n_threads=2, log_file=tmp_path / "s.log",
                 extra_args=dflash_args(draft, SpecType(n_max=4, cross_ctx=64)) + ["--metrics"]) as url:
+        before = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
         reply = post_json(url + "/completion", {"prompt": "hello", "n_predict": 21, "temperature": 0,
                                                 "ignore_eos": True})
         metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
@@ -108,6 +109,14 @@ def test_statistics_add_up_and_reach_metrics(oracle_pair, tmp_path):
     assert "llamacpp:draft_tokens_total 16" in metrics
     assert "llamacpp:draft_tokens_accepted_total 16" in metrics
     assert "llamacpp:draft_steps_total 4" in metrics
+    # the same under vLLM's names, as llama.cpp exports them; per position only once a request drafted
+    assert "llamacpp:spec_decode_num_draft_tokens 0" in before and "accepted_tokens_per_pos" not in before
+    assert "llamacpp:spec_decode_num_draft_tokens 16" in metrics
+    assert "llamacpp:spec_decode_num_accepted_tokens 16" in metrics
+    assert "llamacpp:spec_decode_num_drafts 4" in metrics
+    assert "# TYPE llamacpp:spec_decode_num_accepted_tokens_per_pos counter" in metrics
+    assert [f'llamacpp:spec_decode_num_accepted_tokens_per_pos{{position="{k}"}} 4' for k in range(4)] == \
+        [line for line in metrics.splitlines() if line.startswith("llamacpp:spec_decode_num_accepted_tokens_per_pos")]
     assert "dflash: cross_ctx = 64, block = 8" in (tmp_path / "s.log").read_text()
 
 
