@@ -145,7 +145,7 @@ def test_a_new_request_forgets_its_statistics_but_not_what_it_learnt():
         run_steps(ctl, 50, lambda step: False)
     before = renewed.acceptance()
     renewed.reset()
-    assert renewed.stats() == {"steps_by_verified": [0] * 5, "n_probes": 0}
+    assert renewed.stats() == {"steps_by_verified": [0] * 5, "n_probes": 0, "n_load_plain": 0}
     assert renewed.acceptance() == pytest.approx(before)
     # ... at half weight: the new request's first observation (draft token 1 kept) moves it further
     for ctl in (kept, renewed):
@@ -265,9 +265,39 @@ def test_a_draft_step_after_plain_passes_prices_probes_not_drafting():
     assert ctl.draft_ms(1) == pytest.approx(2 * CPU_DRAFT, rel=0.02)
 
 
+# --- beside other sequences (a server's slots) -------------------------------------------------
+
+# passes cost the same up to 6 rows and 100 times as much past them: one slot's block of 5 rows
+# fits beside another's one-token decode, not beside its block
+ROOMY_THEN_FULL = [1.0] * 6 + [100.0] * 4
+
+
+def test_alone_it_plans_as_before_beside_others_it_prices_the_shared_pass():
+    alone, beside_nothing = BlockController(4, ROOMY_THEN_FULL, 0.1), BlockController(4, ROOMY_THEN_FULL, 0.1)
+    assert alone.plan(4) == beside_nothing.plan(4, (0, 0.0, 0.0)) == (4, 4)
+    light, heavy = BlockController(4, ROOMY_THEN_FULL, 0.1), BlockController(4, ROOMY_THEN_FULL, 0.1)
+    assert light.plan(4, (1, 1.0, 0.0)) == (4, 4)       # 6 rows: as cheap as one
+    assert heavy.plan(4, (5, 5.0, 0.1))[1] == 0          # 7 rows and more: a one-token decode
+    assert heavy.stats()["n_load_plain"] == 1 and light.stats()["n_load_plain"] == 0
+
+
+def test_a_draft_step_is_paid_by_every_slot_of_the_step():
+    """Free rows, but a draft step (half a pass) runs before the shared pass: alone it pays for
+    the draft's expected tokens, beside three slots' tokens it costs them more than it adds."""
+    flat = [1.0] * 8
+    assert BlockController(4, flat, 0.5).plan(4)[1] == 4
+    busy = BlockController(4, flat, 0.5)
+    assert busy.plan(4, (3, 3.0, 0.0))[1] == 0 and busy.stats()["n_load_plain"] == 1
+
+
+def test_rows_that_cost_nothing_are_drafted_beside_any_load():
+    ctl = BlockController(4, [1.0] * 20, 0.01)
+    assert ctl.plan(4, (15, 15.0, 0.03)) == (4, 4) and ctl.stats()["n_load_plain"] == 0
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"n_max": -1, "pass_ms": [1.0], "draft_ms": 1.0}, "n_max must be in 0..63"),
-    ({"n_max": 2, "pass_ms": [1.0, 1.0], "draft_ms": 1.0}, "1..3 rows"),
+    ({"n_max": 2, "pass_ms": [1.0, 1.0], "draft_ms": 1.0}, "1..3 rows at least"),
     ({"n_max": 1, "pass_ms": [1.0, -1.0], "draft_ms": 1.0}, "must be positive"),
     ({"n_max": 1, "pass_ms": [1.0, 1.0], "draft_ms": 0.0}, "draft_ms must be positive"),
     ({"n_max": 2, "pass_ms": [1.0, 1.0, 1.0], "draft_ms": [1.0, 1.0, 1.0]}, "1..2 tokens, got 3"),
@@ -391,3 +421,30 @@ def test_the_server_settles_like_the_engine(oracle_pair, tmp_path, monkeypatch, 
     assert by_k[verified] >= sum(by_k) - 4, by_k
     # the prior does not pay on these costs: one probe starts each request; a useless draft's go on
     assert t["draft_probes"] == 1 if which == "right" else t["draft_probes"] >= 3
+
+
+def test_under_load_a_slot_decodes_one_token_where_its_block_would_not_pay(oracle_pair, tmp_path, monkeypatch):
+    """Two slots of an always-right draft on costs where one block fits beside the other slot's
+    one-token decode but two blocks do not: the slots share the pass, so one of them decodes a
+    token at a time while the other drafts; each request says how many of its steps the load
+    chose, /metrics their sum, and a request alone drafts every step."""
+    import urllib.request
+
+    from ikdflash import Server
+    from ikdflash.serving.client import post_json_concurrently
+    from ikdflash.serving.spectype import SpecType
+
+    monkeypatch.setenv("IKDFLASH_COSTS", "0.1:" + ",".join(f"{ms:g}" for ms in ROOMY_THEN_FULL))
+    target, right, _ = oracle_pair
+    args = ["--model-draft", str(right), "--spec-type", SpecType(n_max=4).flag(), "--parallel", "2", "--metrics"]
+    body = {"prompt": "hello", "n_predict": 256, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+    with Server(target, ctx_size=1024, n_threads=2, log_file=tmp_path / "s.log", extra_args=args) as url:
+        pair = post_json_concurrently(url + "/completion", [body, body])
+        metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+        alone = completion(url, "hello", 64)["timings"]
+    held = [r["timings"]["draft_load_plain_steps"] for r in pair]
+    assert sum(held) > 0, [r["timings"]["draft_steps_by_verified"] for r in pair]
+    assert f"llamacpp:dflash_load_plain_steps_total {sum(held)}" in metrics
+    assert pair[0]["content"] == pair[1]["content"]
+    assert alone["draft_load_plain_steps"] == 0 and alone["draft_steps_by_verified"][0] <= 1
+    assert "target pass of 1..10 rows:" in (tmp_path / "s.log").read_text()

@@ -301,9 +301,9 @@ public:
             throw py::value_error("n_max must be in 0.." + std::to_string(DFLASH_MAX_VERIFY) + ", got " +
                                   std::to_string(n_max));
         }
-        if ((int) pass_ms.size() != n_max + 1) {
+        if ((int) pass_ms.size() < n_max + 1) {
             throw py::value_error("pass_ms needs the times of passes of 1.." + std::to_string(n_max + 1) +
-                                  " rows, got " + std::to_string(pass_ms.size()));
+                                  " rows at least, got " + std::to_string(pass_ms.size()));
         }
         if (draft_ms.size() != 1 && (int) draft_ms.size() != n_max) {
             throw py::value_error("draft_ms needs one time, or the times of steps proposing 1.." +
@@ -314,7 +314,7 @@ public:
                 throw py::value_error("draft_ms must be positive, got " + std::to_string(ms));
             }
         }
-        costs_.reset(dflash_costs_init(n_max + 1));
+        costs_.reset(dflash_costs_init((int) pass_ms.size()));
         if (dflash_costs_set_passes(costs_.get(), pass_ms.data()) != 0) {
             throw py::value_error(dflash_last_error());
         }
@@ -324,8 +324,17 @@ public:
         adapt_.reset(dflash_adapt_init(adaptive ? costs_.get() : nullptr, n_max));
     }
 
-    py::tuple plan(int n_limit) {
-        const dflash_adapt_plan p = dflash_adapt_plan_step(adapt_.get(), n_limit);
+    // others: (rows, tokens, draft_ms) the other sequences of the pass add to it (a server's slots).
+    py::tuple plan(int n_limit, std::optional<std::tuple<int, double, double>> others) {
+        dflash_adapt_plan p;
+        if (others) {
+            std::unique_ptr<dflash_load, decltype(&dflash_load_free)> load{dflash_load_init(2), dflash_load_free};
+            const auto [rows, tokens, draft_ms] = *others;
+            dflash_load_set(load.get(), 1, rows, tokens, draft_ms);
+            p = dflash_adapt_plan_step_in(adapt_.get(), n_limit, load.get(), 0);
+        } else {
+            p = dflash_adapt_plan_step(adapt_.get(), n_limit);
+        }
         return py::make_tuple(p.n_draft, p.n_verify);
     }
 
@@ -361,6 +370,7 @@ public:
         py::dict d;
         d["steps_by_verified"] = steps_by_verified(st, n_max_);
         d["n_probes"] = st.n_probes;
+        d["n_load_plain"] = st.n_load_plain;
         return d;
     }
 
@@ -651,7 +661,7 @@ void bind_dflash(py::module_ & m) {
         .def(py::init([](int n_max, const std::vector<double> & pass_ms, double draft_ms, bool adaptive) {
                  return BlockController(n_max, pass_ms, std::vector<double>{draft_ms}, adaptive);
              }), py::arg("n_max"), py::arg("pass_ms"), py::arg("draft_ms"), py::arg("adaptive") = true)
-        .def("plan", &BlockController::plan, py::arg("n_limit"))
+        .def("plan", &BlockController::plan, py::arg("n_limit"), py::arg("others") = py::none())
         .def("proposed", &BlockController::proposed, py::arg("tokens"))
         .def("committed", &BlockController::committed, py::arg("n_verified"), py::arg("tokens"))
         .def("reset", &BlockController::reset)

@@ -70,6 +70,11 @@ constexpr double k_scale_weight = 0.1;
 constexpr double k_shape_weight = 0.05;
 constexpr double k_outlier = 3.0;
 constexpr int k_calibration_rounds = 3;
+// Calibration times every row count up to this many rows (a single sequence's blocks), and past it
+// (several sequences' rows in one pass) every this many, the counts between interpolated: a
+// server's 4 slots of 5 rows would otherwise time 20 passes of up to 20 rows at start-up.
+constexpr int k_calibrated_every_row = 16;
+constexpr int k_calibration_stride = 4;
 // A row count no pass has measured for this many passes is stale: its cost is still the
 // calibration's (or an old one), and a k it makes look dear is never chosen, so never measured
 // again (the always-right pair once sat at k = 3 for 496 steps on a 5-row cost calibrated too
@@ -236,6 +241,29 @@ struct dflash_costs {
     }
 };
 
+// The sequences of one context that share its passes (a server's slots): each one's part of the
+// coming pass, as its controller last planned it (or as its caller set it).
+struct dflash_load {
+    struct part {
+        int rows = 0;           // rows it adds to the pass (0: not in it)
+        double tokens = 0.0;    // tokens it commits, in expectation
+        double draft_ms = 0.0;  // its draft step, which runs before the pass
+    };
+    std::vector<part> seqs;
+
+    part others(int seq) const {
+        part sum;
+        for (int s = 0; s < (int) seqs.size(); ++s) {
+            if (s != seq) {
+                sum.rows += seqs[s].rows;
+                sum.tokens += seqs[s].tokens;
+                sum.draft_ms += seqs[s].draft_ms;
+            }
+        }
+        return sum;
+    }
+};
+
 // One sequence's controller. Every proposal stays pending until the target has committed a token
 // at each of its positions or one differs. Every fourth step verifying k drafts proposes k + 1, so
 // the position after k stays measured (against the target's own token, or a later one) and the
@@ -296,20 +324,29 @@ struct dflash_adapt {
         return k;
     }
 
-    // The k in 0..n_limit with the most expected tokens per millisecond, each draft position kept
-    // as often as p(j) says.
-    template <typename Acceptance> int best_k(int n_limit, Acceptance p) const {
+    // Tokens a step verifying k drafts commits, in expectation, each position kept as often as p(j) says.
+    template <typename Acceptance> double expected_tokens(int k, Acceptance p) const {
+        double expected = 1.0, kept_through = 1.0;
+        for (int j = 1; j <= k; ++j) {
+            kept_through *= p(j);
+            expected += kept_through;
+        }
+        return expected;
+    }
+
+    // The k in 0..n_limit with the most tokens per millisecond from the whole pass: the other
+    // sequences' rows, tokens and draft steps are in it too, so a draft pays only if what its
+    // rows add to the shared pass, and its draft step to everyone's step, buys more tokens than
+    // that time would buy the others. Alone (others empty) it is this sequence's own rate.
+    template <typename Acceptance> int best_k(int n_limit, Acceptance p, const dflash_load::part & others) const {
         if (costs->scale_ms <= 0.0) {
             return n_limit;  // nothing measured yet: speculate, which measures
         }
         int best = 0;
-        double best_rate = 1.0 / costs->next_pass_ms(1);
-        double expected = 1.0, kept_through = 1.0;
+        double best_rate = (others.tokens + 1.0) / (others.draft_ms + costs->next_pass_ms(others.rows + 1));
         for (int k = 1; k <= n_limit; ++k) {
-            kept_through *= p(k);
-            expected += kept_through;
-            const double step_ms = draft_cost_at(k, n_limit) + costs->next_pass_ms(k + 1);
-            const double rate = expected / step_ms;
+            const double step_ms = others.draft_ms + draft_cost_at(k, n_limit) + costs->next_pass_ms(others.rows + k + 1);
+            const double rate = (others.tokens + expected_tokens(k, p)) / step_ms;
             if (rate > best_rate) {
                 best = k;
                 best_rate = rate;
@@ -318,7 +355,16 @@ struct dflash_adapt {
         return best;
     }
 
-    dflash_adapt_plan plan(int n_limit) {
+    // What this sequence adds to the pass it plans for (dflash_load), its draft step priced as
+    // the costs price it.
+    dflash_load::part part_of(const dflash_adapt_plan & p) const {
+        const double draft_ms = p.n_draft == 0 ? 0.0
+                              : p.n_verify == 0 && costs->catch_up_ms > 0.0 ? costs->catch_up_ms
+                                                                             : costs->draft_cost(p.n_draft);
+        return {p.n_verify + 1, expected_tokens(p.n_verify, [this](int j) { return acceptance(j); }), draft_ms};
+    }
+
+    dflash_adapt_plan plan(int n_limit, const dflash_load::part & others) {
         n_limit = std::clamp(n_limit, 0, n_max);
         if (n_limit == 0) {
             return {0, 0};
@@ -326,7 +372,9 @@ struct dflash_adapt {
         if (costs == nullptr) {
             return {n_limit, n_limit};
         }
-        int k = best_k(n_limit, [this](int j) { return acceptance(j); });
+        const auto p = [this](int j) { return acceptance(j); };
+        int k = best_k(n_limit, p, others);
+        const bool held_by_load = k == 0 && others.rows > 0 && best_k(n_limit, p, dflash_load::part{}) > 0;
         if (explore_left > 0) {
             --explore_left;
             k = std::min(k + 1, n_limit);
@@ -337,6 +385,7 @@ struct dflash_adapt {
         if (k > 0) {
             return {drafted_for(k, n_limit), k};
         }
+        stats.n_load_plain += held_by_load;
         for (int j = 0; j < n_max; ++j) {
             if (slow_seen[j] > 0.0) {
                 hits[j] += k_plain_return * (seen[j] * slow_hits[j] / slow_seen[j] - hits[j]);
@@ -353,7 +402,7 @@ struct dflash_adapt {
         // does not pay but several do (a tiny target's passes cost mostly their overhead),
         // one-token probes kept k at 0 for good.
         if (turned_right > fresh_evidence()) {
-            return {std::max(1, best_k(n_limit, [](int) { return k_turned_right_p; })), 0};
+            return {std::max(1, best_k(n_limit, [](int) { return k_turned_right_p; }, others)), 0};
         }
         return {1, 0};
     }
@@ -465,16 +514,29 @@ int dflash_costs_calibrate(dflash_costs * costs, llama_context * ctx) {
         llama_kv_cache_clear(ctx);
         decode(1, 0, false);
         pass(1);  // the first passes page weights in and plan buffers
+        std::vector<int> timed;
+        for (int r = 1; r <= max_rows; r += r < k_calibrated_every_row ? 1 : k_calibration_stride) {
+            timed.push_back(r);
+        }
+        if (timed.back() != max_rows) {
+            timed.push_back(max_rows);
+        }
         // rounds over every row count, so a slow moment of the machine spreads over all of them
         std::vector<double> best(max_rows, 0.0);
         for (int round = 0; round < k_calibration_rounds; ++round) {
-            for (int r = 1; r <= max_rows; ++r) {
+            for (int r : timed) {
                 const double ms = pass(r);
                 best[r - 1] = round == 0 ? ms : std::min(best[r - 1], ms);
             }
         }
         llama_batch_free(batch);
         llama_kv_cache_clear(ctx);
+        for (size_t i = 1; i < timed.size(); ++i) {  // the counts between two timed ones: on the line
+            const int lo = timed[i - 1], hi = timed[i];
+            for (int r = lo + 1; r < hi; ++r) {
+                best[r - 1] = best[lo - 1] + (best[hi - 1] - best[lo - 1]) * (r - lo) / (hi - lo);
+            }
+        }
         costs->set_passes(best.data());
         return 0;
     }, -1);
@@ -515,7 +577,34 @@ void dflash_adapt_free(dflash_adapt * adapt) { delete adapt; }
 
 void dflash_adapt_reset(dflash_adapt * adapt) { adapt->reset(); }
 
-dflash_adapt_plan dflash_adapt_plan_step(dflash_adapt * adapt, int n_limit) { return adapt->plan(n_limit); }
+dflash_adapt_plan dflash_adapt_plan_step(dflash_adapt * adapt, int n_limit) { return adapt->plan(n_limit, {}); }
+
+dflash_load * dflash_load_init(int n_seq) {
+    return guarded([&]() -> dflash_load * {
+        if (n_seq < 1) {
+            fail("a load has at least 1 sequence, got %d", n_seq);
+        }
+        auto load = new dflash_load();
+        load->seqs.resize(n_seq);
+        return load;
+    }, (dflash_load *) nullptr);
+}
+
+void dflash_load_free(dflash_load * load) { delete load; }
+
+void dflash_load_set(dflash_load * load, int seq, int n_rows, double n_tokens, double draft_ms) {
+    if (seq >= 0 && seq < (int) load->seqs.size()) {
+        load->seqs[seq] = {std::max(n_rows, 0), std::max(n_tokens, 0.0), std::max(draft_ms, 0.0)};
+    }
+}
+
+dflash_adapt_plan dflash_adapt_plan_step_in(dflash_adapt * adapt, int n_limit, dflash_load * load, int seq) {
+    const dflash_adapt_plan p = adapt->plan(n_limit, load->others(seq));
+    if (seq >= 0 && seq < (int) load->seqs.size()) {
+        load->seqs[seq] = adapt->costs != nullptr ? adapt->part_of(p) : dflash_load::part{p.n_verify + 1, 1.0, 0.0};
+    }
+    return p;
+}
 
 void dflash_adapt_proposed(dflash_adapt * adapt, const llama_token * tokens, int n) { adapt->proposed(tokens, n); }
 

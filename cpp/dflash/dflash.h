@@ -198,10 +198,12 @@ LLAMA_API void dflash_seq_restore_state(const dflash_seq * seq);
 struct dflash_costs;  // measured costs of a target context's passes by row count, and of a draft step
 struct dflash_adapt;  // one sequence's controller
 
-// Costs of passes of 1..max_rows rows, unknown until set, calibrated or observed.
+// Costs of passes of 1..max_rows rows (a server: every slot's block), unknown until set, calibrated
+// or observed.
 LLAMA_API dflash_costs * dflash_costs_init(int max_rows);
 LLAMA_API void   dflash_costs_free(dflash_costs * costs);
-// Time passes of 1..max_rows rows on ctx (sequence 0, a few rounds; the fastest of each counts).
+// Time passes of 1..max_rows rows on ctx (sequence 0, a few rounds; the fastest of each counts;
+// past 16 rows every fourth count, those between interpolated).
 // The context's cache is cleared before and after: call it before the context serves sequences.
 // Tests: IKDFLASH_COSTS="draft_ms:pass_ms_1,pass_ms_2,..." sets fixed costs instead (no timing,
 // observations ignored), so the controller's choices are the same on any machine.
@@ -230,6 +232,7 @@ struct dflash_adapt_plan {
 struct dflash_adapt_stats {
     int64_t n_steps_at[DFLASH_MAX_VERIFY + 1];  // steps by the drafts they verified; [0] one-token decodes
     int64_t n_probes;                           // draft steps whose tokens were only compared
+    int64_t n_load_plain;                       // one-token decodes that alone would have drafted (load)
 };
 
 // costs NULL: a fixed block length (every step verifies n_limit drafts, as without a controller).
@@ -240,6 +243,22 @@ LLAMA_API void dflash_adapt_free(dflash_adapt * adapt);
 // estimates kept at half weight, the probe interval kept.
 LLAMA_API void dflash_adapt_reset(dflash_adapt * adapt);
 LLAMA_API struct dflash_adapt_plan dflash_adapt_plan_step(dflash_adapt * adapt, int n_limit);
+
+// Several sequences in one pass (a server's slots): a step's time is the pass over all their rows
+// plus every draft step before it, and it commits all their tokens. A sequence planned with
+// dflash_adapt_plan_step_in picks the k with the most tokens per millisecond for the whole step,
+// the others' parts as they last planned them: where its draft rows cost the shared pass more
+// than they commit (many slots on a CPU), it decodes one token, and it drafts again as slots free
+// up. Alone it plans as dflash_adapt_plan_step does.
+struct dflash_load;
+LLAMA_API dflash_load * dflash_load_init(int n_seq);
+LLAMA_API void dflash_load_free(dflash_load * load);
+// A sequence's part of the coming pass: its rows (0: not in it), the tokens it commits in
+// expectation, and its draft step's time. For sequences that plan without a controller; a plan
+// made with dflash_adapt_plan_step_in records its own.
+LLAMA_API void dflash_load_set(dflash_load * load, int seq, int n_rows, double n_tokens, double draft_ms);
+LLAMA_API struct dflash_adapt_plan dflash_adapt_plan_step_in(dflash_adapt * adapt, int n_limit, dflash_load * load,
+                                                             int seq);
 // The tokens the draft proposed for the positions after the current token.
 LLAMA_API void dflash_adapt_proposed(dflash_adapt * adapt, const llama_token * tokens, int n);
 // The tokens the step committed after the current token, in order, and how many drafts it verified.

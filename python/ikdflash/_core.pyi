@@ -108,13 +108,15 @@ class CrossContext:
 
 class BlockController:
     """The adaptive block length's controller (dflash_adapt) on pass costs given, with no model:
-    pass_ms[r - 1] is a target pass over r rows (r = 1..n_max + 1), draft_ms a draft step: one
-    time for any number of tokens proposed, or draft_ms[n - 1] for n = 1..n_max tokens."""
+    pass_ms[r - 1] is a target pass over r rows (r = 1..n_max + 1 at least; more for passes shared
+    with other sequences), draft_ms a draft step: one time for any number of tokens proposed, or
+    draft_ms[n - 1] for n = 1..n_max tokens."""
 
     def __init__(self, n_max: int, pass_ms: list[float], draft_ms: float | list[float],
                  adaptive: bool = True) -> None: ...
-    def plan(self, n_limit: int) -> tuple[int, int]:
-        """(tokens the draft proposes, of which verified) for the next step."""
+    def plan(self, n_limit: int, others: tuple[int, float, float] | None = None) -> tuple[int, int]:
+        """(tokens the draft proposes, of which verified) for the next step; others: the (rows,
+        expected tokens, draft ms) other sequences add to the same pass (dflash_adapt_plan_step_in)."""
     def proposed(self, tokens: list[int]) -> None: ...
     def committed(self, n_verified: int, tokens: list[int]) -> None: ...
     def reset(self) -> None: ...
@@ -128,7 +130,8 @@ class BlockController:
     def acceptance(self) -> list[float]:
         """The estimate of p_j (draft token j kept, given the ones before it were), j = 1..n_max."""
     def stats(self) -> dict[str, Any]:
-        """steps_by_verified (0..n_max) and n_probes since the last reset."""
+        """steps_by_verified (0..n_max), n_probes and n_load_plain (one-token decodes that alone
+        would have drafted) since the last reset."""
 
 class Engine:
     """The speculative loop on a target Model (draft None: the target alone)."""
