@@ -286,20 +286,23 @@ struct dflash_adapt {
     int since_lookahead = 0;               // verifying steps since the last that proposed one token more
     dflash_adapt_stats stats{};
 
-    int longest_interval() const {
+    // Beside other sequences a probe's draft step delays their tokens too, and each of them
+    // probes: the budget is shared as the step's tokens are.
+    int longest_interval(const dflash_load::part & others = {}) const {
         const double probe_ms = costs->catch_up_ms > 0.0 ? costs->catch_up_ms : costs->draft_cost(1);
         if (probe_ms <= 0.0 || costs->scale_ms <= 0.0) {
             return k_max_probe_interval;
         }
-        const double steps = std::ceil(probe_ms / (k_probe_budget * costs->pass_ms(1)));
+        const double step_ms = costs->pass_ms(others.rows + 1) + others.draft_ms;
+        const double steps = std::ceil(probe_ms * (1.0 + others.tokens) / (k_probe_budget * step_ms));
         return (int) std::clamp(steps, 1.0, (double) k_max_probe_interval);
     }
 
     // A fresh sequence or request: its first plain step probes (fixed mode never probes).
     double fresh_evidence() const { return costs != nullptr ? std::log((double) longest_interval()) : 0.0; }
 
-    int probe_interval() const {
-        return std::max(1, (int) (longest_interval() * std::exp(-turned_right)));
+    int probe_interval(const dflash_load::part & others) const {
+        return std::max(1, (int) (longest_interval(others) * std::exp(-turned_right)));
     }
 
     double acceptance(int j) const {  // P(token j kept | tokens before it kept), j = 1..n_max
@@ -391,7 +394,7 @@ struct dflash_adapt {
                 hits[j] += k_plain_return * (seen[j] * slow_hits[j] / slow_seen[j] - hits[j]);
             }
         }
-        if (++since_probe < probe_interval()) {
+        if (++since_probe < probe_interval(others)) {
             return {0, 0};
         }
         since_probe = 0;
