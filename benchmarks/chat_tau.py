@@ -9,7 +9,7 @@ user turns as plain messages, no system message, so the chat template's own defa
 `--spec-type dflash:n_max=N,adaptive=0`): tau = 1 + accepted drafts / verification steps.
 
 "shipped" names the draft inside ikdflash. This is the evaluation a retrained built-in draft must
-win before it ships (python/ikdflash/drafts/README.md).
+win before it ships (docs/training.md).
 """
 
 from __future__ import annotations

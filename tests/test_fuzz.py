@@ -1,5 +1,5 @@
 """A slice of the draft GGUF fuzzer (tests/fuzz_draft.py; the full run of 1,000 cases is its own
-command, see the README): hostile drafts are refused with a message, never a crash or a hang,
+command, see CONTRIBUTING.md): hostile drafts are refused with a message, never a crash or a hang,
 through the bindings and through llama-server. And the specific refusals the loader owes."""
 
 from __future__ import annotations

