@@ -2,6 +2,7 @@
 without a draft.
 
     python -m benchmarks.server_load [--slots 2 4] [--rounds 3] [--tokens 128] [--json out.json]
+        [--other PATH/llama-server]
 
 For each --slots N, each round starts the packaged llama-server with --parallel N twice, with the
 draft (default --spec-type dflash: adaptive) and without, in an order that alternates by round,
@@ -9,6 +10,8 @@ and sends the same 8 chat questions N at a time (greedy, --tokens each, the pair
 no prompt cache). A server's throughput is the tokens generated over the wall time from the first
 request sent to the last reply. Reported per N: each round's ratio (draft / no draft), their
 median, and the one-token decodes the load chose (/metrics dflash_load_plain_steps_total).
+--other adds a third server per round, another build's llama-server with the same draft and
+flags (e.g. one before a change), in the same rotation, and reports it against the same plain runs.
 """
 
 from __future__ import annotations
@@ -35,14 +38,14 @@ QUESTIONS = ["Explain rainbows to a child.", "What is the capital of France, and
              "Describe a good morning routine.", "What should I pack for a weekend hike?"]
 
 
-def serve_once(target: Path, draft: Path | None, slots: int, tokens: int) -> dict:
+def serve_once(target: Path, draft: Path | None, slots: int, tokens: int, binary: Path | None = None) -> dict:
     system = PAIR_CHAT_DEFAULTS[DEFAULT_PAIR]["system"]
     bodies = [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": q}],
                "max_tokens": tokens, "temperature": 0, "cache_prompt": False} for q in QUESTIONS]
     extra = ["--parallel", str(slots), "--metrics"]
     if draft is not None:
         extra += ["--model-draft", str(draft), "--spec-type", SpecType().flag()]
-    with Server(target, ctx_size=2048 * slots, extra_args=extra) as url:
+    with Server(target, ctx_size=2048 * slots, extra_args=extra, binary=binary) as url:
         start = time.monotonic()
         replies = []
         for at in range(0, len(bodies), slots):
@@ -61,25 +64,33 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--other", type=Path, help="another llama-server build, run with the draft too")
     args = parser.parse_args()
 
     target, draft = resolve_pair(DEFAULT_PAIR)
     results = {}
     for slots in args.slots:
         rounds = []
+        configs = {"dflash": (draft, None), "plain": (None, None)}
+        if args.other:
+            configs["other"] = (draft, args.other)
+        names = list(configs)
         for r in range(args.rounds):
-            order = [draft, None] if r % 2 == 0 else [None, draft]
-            runs = {("dflash" if d else "plain"): serve_once(target, d, slots, args.tokens) for d in order}
-            ratio = runs["dflash"]["tokens_per_second"] / runs["plain"]["tokens_per_second"]
-            rounds.append({**runs, "ratio": ratio})
-            print(f"--parallel {slots} round {r + 1}: DFlash {runs['dflash']['tokens_per_second']:.1f} tok/s, "
-                  f"plain {runs['plain']['tokens_per_second']:.1f}: {ratio:.3f}x "
-                  f"({runs['dflash']['load_plain_steps']} steps held by load)", flush=True)
-        median = statistics.median(r["ratio"] for r in rounds)
-        print(f"--parallel {slots}: median {median:.3f}x")
-        results[str(slots)] = {"rounds": rounds, "median_ratio": median}
+            order = names[r % len(names):] + names[:r % len(names)]
+            runs = {name: serve_once(target, configs[name][0], slots, args.tokens, configs[name][1]) for name in order}
+            ratios = {name: runs[name]["tokens_per_second"] / runs["plain"]["tokens_per_second"]
+                      for name in names if name != "plain"}
+            rounds.append({**runs, "ratios": ratios})
+            print(f"--parallel {slots} round {r + 1}: " + ", ".join(
+                f"{name} {runs[name]['tokens_per_second']:.1f} tok/s" for name in names) + "; against plain " +
+                  ", ".join(f"{name} {ratio:.3f}x" for name, ratio in ratios.items()) +
+                  f" ({runs['dflash']['load_plain_steps']} steps held by load)", flush=True)
+        medians = {name: statistics.median(r["ratios"][name] for r in rounds) for name in rounds[0]["ratios"]}
+        print(f"--parallel {slots}: median against plain " + ", ".join(f"{n} {m:.3f}x" for n, m in medians.items()))
+        results[str(slots)] = {"rounds": rounds, "median_ratios": medians}
     if args.json:
         args.json.write_text(json.dumps({"provenance": provenance(os.cpu_count() or 1), "tokens": args.tokens,
+                                         "other": str(args.other) if args.other else None,
                                          "questions": QUESTIONS, "slots": results}, indent=2) + "\n")
 
 

@@ -18,6 +18,9 @@ exactly the reply it gave at the start to a fixed greedy request. The outcomes:
     dropped              the connection closed without a reply, the server still up
     crash                the server exited (the report quotes the assert or exception from its log)
     unhealthy, diverged  /health failed, or the normal request got another reply afterwards
+    garbled              a short reply in a script of multi-byte characters (the "cut reply"
+                         case: valid, cut by its length limit) was not a 200 with valid UTF-8,
+                         no U+FFFD, and a stream that ends ([DONE], stop: true, message_stop)
 
 The last six are findings; after a crash, a hang, unhealthy or diverged, the server is started
 again. The server runs with --parallel 2, --slot-save-path (a temp folder) and --metrics, with a
@@ -55,7 +58,7 @@ from typing import Any
 from fuzzing import Case
 
 REFERENCE_PROMPT = "the quick brown fox jumps over the lazy dog, and the cat sat on the mat"
-FINDINGS = ("error", "hang", "dropped", "crash", "unhealthy", "diverged")
+FINDINGS = ("error", "hang", "dropped", "crash", "unhealthy", "diverged", "garbled")
 
 
 # --- JSON with raw fragments ---------------------------------------------------------------------
@@ -519,6 +522,7 @@ class Request:
     value: Any                      # the body as a Python value (None: no body), or Raw
     mutations: list[str]
     headers: dict[str, str] = field(default_factory=dict)
+    whole_text: bool = False        # a valid request whose reply must come whole (a "cut reply")
 
     @property
     def body(self) -> bytes | None:
@@ -564,11 +568,37 @@ def set_field(rng: random.Random, world: World, route: Route, value: dict) -> st
 MUTATIONS = {"field": 12, "slot id": 3, "action": 1, "query": 1, "unknown key": 1, "drop key": 1, "wrong type": 1.5,
              "body": 1.2, "content type": 0.4, "method": 0.6, "path": 0.4}
 
+# "cut reply": a valid request for a short answer in a script of 2-, 3- or 4-byte characters, so its
+# length limit falls inside a character, on every route that returns text
+CUT_QUESTIONS = ["Write one Hebrew word.", "日本語で一言書いてください。", "Reply with three emoji.",
+                 "Напиши одно слово по-русски.", "用中文写一个词。", "اكتب كلمة عربية واحدة."]
+CUT_ROUTES = {"completion": "n_predict", "completions": "n_predict", "v1-completions": "max_tokens",
+              "chat": "max_tokens", "chat-legacy": "max_tokens", "messages": "max_tokens", "infill": "n_predict"}
+CUT_SHARE = 0.08
 
-def generate(rng: random.Random, world: World, routes: Sequence[str] | None = None) -> Request:
-    """A request to one of routes (default: all), with one to three mutations."""
+
+def cut_reply(rng: random.Random, name: str) -> Request:
+    question, limit, stream = rng.choice(CUT_QUESTIONS), rng.randint(1, 8), rng.random() < 0.5
+    route = ROUTES[name]
+    if name in ("chat", "chat-legacy", "messages"):
+        value: dict[str, Any] = {"messages": [{"role": "user", "content": question}], "model": "x"}
+    elif name == "infill":
+        value = {"input_prefix": question, "input_suffix": "", "prompt": ""}
+    else:
+        value = {"prompt": question}
+    value.update({CUT_ROUTES[name]: limit, "temperature": 0, "stream": stream})
+    return Request(name, route.method, route.path, value, [f"cut reply: {limit} tokens{', streamed' if stream else ''}"],
+                   whole_text=True)
+
+
+def generate(rng: random.Random, world: World, routes: Sequence[str] | None = None,
+             cut_share: float = CUT_SHARE) -> Request:
+    """A request to one of routes (default: all), with one to three mutations, or now and then a
+    valid request whose reply is cut inside a character (cut_reply)."""
     names = list(routes or ROUTES)
     name = rng.choices(names, weights=[ROUTES[n].weight for n in names])[0]
+    if name in CUT_ROUTES and rng.random() < cut_share:
+        return cut_reply(rng, name)
     route = ROUTES[name]
     method, path = route.method, route.path
     mutations: list[str] = []
@@ -720,6 +750,32 @@ def error_message(reply: Reply) -> str:
             error = data["error"]
             return str(error.get("message", error) if isinstance(error, dict) else error)[:300]
     return text[:300]
+
+
+def incomplete_text(reply: Reply) -> str:
+    """Why a reply to a valid text request did not come whole ('' if it did): not a 200, bytes
+    that are not UTF-8, a U+FFFD in its text, or an event stream without its end. A 501 (a model
+    without infill tokens) has no text to check."""
+    if reply.status == 501:
+        return ""
+    if reply.status != 200:
+        return f"HTTP {reply.status}: {error_message(reply)}"
+    try:
+        text = reply.body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"invalid UTF-8 at byte {e.start}"
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    for part in events or [text]:
+        try:
+            if "\ufffd" in json.dumps(json.loads(part), ensure_ascii=False):
+                return f"U+FFFD in {part[:160]}"
+        except ValueError:
+            if part != "[DONE]":
+                return f"not JSON: {part[:160]}"
+    if events and not (events[-1] == "[DONE]" or '"stop":true' in events[-1].replace(" ", "")
+                       or '"message_stop"' in events[-1]):
+        return f"the stream did not end: last event {events[-1][:160]}"
+    return ""
 
 
 def stream_error_code(reply: Reply) -> int | None:
@@ -934,6 +990,8 @@ def judge(harness: Harness, request: Request, timeout: float | None = None) -> t
     elif (code := stream_error_code(reply)) is not None:
         outcome = "error" if code >= 500 else "refused"
         detail = f"HTTP 200, error event {code}: {error_message(reply)}"
+    if request.whole_text and reply.status is not None and (why := incomplete_text(reply)):
+        outcome, detail = "garbled", why
     # a crash can come after the reply (the main loop runs the task on its own thread): the
     # checks go through the main loop, so they wait for it
     time.sleep(0.02)
@@ -980,7 +1038,8 @@ def kind(detail: str) -> str:
 
 
 def run(harness: Harness, cases: int, seed: int, only: Iterable[int] | None = None, routes: Sequence[str] | None = None,
-        progress: Callable[[RequestCase], None] = lambda case: None, stop_at_finding: bool = False) -> list[RequestCase]:
+        progress: Callable[[RequestCase], None] = lambda case: None, stop_at_finding: bool = False,
+        cut_share: float = CUT_SHARE) -> list[RequestCase]:
     """Run cases [0, cases) (or those in only) of seed against harness (started if it is not);
     with stop_at_finding, only up to the first finding."""
     if harness.server is None:
@@ -988,7 +1047,7 @@ def run(harness: Harness, cases: int, seed: int, only: Iterable[int] | None = No
     results = []
     for index in (only if only is not None else range(cases)):
         rng = random.Random(f"{seed}:{index}")
-        request = generate(rng, harness.world, routes)
+        request = generate(rng, harness.world, routes, cut_share)
         outcome, detail, seconds = judge(harness, request)
         case = RequestCase(index, "; ".join(request.mutations), harness.config, outcome, detail,
                            request=request.describe(), route=request.route, seconds=round(seconds, 3))
@@ -1003,17 +1062,19 @@ def run(harness: Harness, cases: int, seed: int, only: Iterable[int] | None = No
     return results
 
 
-def minimize(harness: Harness, case: RequestCase, seed: int, routes: Sequence[str] | None = None) -> str:
+def minimize(harness: Harness, case: RequestCase, seed: int, routes: Sequence[str] | None = None,
+             cut_share: float = CUT_SHARE) -> str:
     """The request of case with every top-level key it can do without removed (each removal kept
     when the same finding still comes): its description."""
     rng = random.Random(f"{seed}:{case.index}")
-    request = generate(rng, harness.world, routes)
+    request = generate(rng, harness.world, routes, cut_share)
     if not isinstance(request.value, dict):
         return request.describe()
     for key in list(request.value):
         trial = dict(request.value)
         del trial[key]
-        candidate = Request(request.route, request.method, request.path, trial, request.mutations, request.headers)
+        candidate = Request(request.route, request.method, request.path, trial, request.mutations, request.headers,
+                            request.whole_text)
         outcome, detail, _ = judge(harness, candidate)
         again = RequestCase(case.index, case.mutation, case.via, outcome, detail, route=case.route)
         if outcome in ("crash", "hang", "unhealthy", "diverged", "dropped"):
@@ -1057,6 +1118,8 @@ def main() -> int:
     parser.add_argument("--only", type=int, nargs="+", help="run just these case indices")
     parser.add_argument("--routes", nargs="+", choices=sorted(ROUTES), help="fuzz only these routes")
     parser.add_argument("--show", action="store_true", help="print every case's request")
+    parser.add_argument("--cut-share", type=float, default=CUT_SHARE,
+                        help=f"share of text-route cases that are cut replies (default {CUT_SHARE}; 1: only those)")
     parser.add_argument("--minimize", action="store_true", help="shrink the first case of each distinct finding")
     parser.add_argument("--server-binary", help="llama-server to run (default: $IKDFLASH_FUZZ_SERVER, else the package's)")
     parser.add_argument("--target", type=Path, help="target GGUF (default: a tiny llama made here)")
@@ -1090,11 +1153,11 @@ def main() -> int:
                 per = args.cases // len(configs)
                 indices = range(n * per, (n + 1) * per if n < len(configs) - 1 else args.cases)
             try:
-                got = run(harness, 0, args.seed, indices, args.routes, progress)
+                got = run(harness, 0, args.seed, indices, args.routes, progress, cut_share=args.cut_share)
                 results += got
                 if args.minimize:
                     for sig, cases in distinct(got).items():
-                        print(f"minimal [{config}] {sig}:\n    {minimize(harness, cases[0], args.seed, args.routes)}",
+                        print(f"minimal [{config}] {sig}:\n    {minimize(harness, cases[0], args.seed, args.routes, args.cut_share)}",
                               flush=True)
             finally:
                 harness.stop()

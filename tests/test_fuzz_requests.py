@@ -14,15 +14,21 @@ IKDFLASH_FUZZ_EXPECT_FIXED=1 or 0 says whether that one has the fixes.
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 from fuzz_requests import (
+    CUT_ROUTES,
     FINDINGS,
     Harness,
     Raw,
+    Reply,
     Request,
+    World,
     describe,
     distinct,
+    generate,
+    incomplete_text,
     judge,
     nested,
     run,
@@ -320,3 +326,25 @@ def test_findings_are_told_apart():
         case.signature = signature(case)
     assert a.signature == b.signature and "crash" in FINDINGS and "refused" not in FINDINGS
     assert list(distinct([a, b])) == [a.signature]
+
+
+def test_a_cut_reply_must_come_whole():
+    """The check behind the fuzzer's "cut reply" cases: a 200 with UTF-8 text, no U+FFFD, and a
+    stream that ends; a model without infill tokens (501) has nothing to check."""
+    whole = [Reply(200, '{"content": "שלום"}'.encode(), "", 0.1),
+             Reply(200, b'data: {"choices": [{"delta": {"content": "\xd7\xa9"}}]}\n\ndata: [DONE]\n\n', "", 0.1),
+             Reply(200, b'data: {"content": "a", "stop": false}\n\ndata: {"content": "", "stop": true}\n\n', "", 0.1),
+             Reply(501, b'{"error": {"message": "this model has no infill (FIM) tokens"}}', "", 0.1)]
+    cut = [Reply(400, b'{"error": {"message": "incomplete UTF-8 string"}}', "", 0.1),
+           Reply(200, b'{"content": "\xd7"}', "", 0.1),
+           Reply(200, '{"content": "a\\ufffd"}'.encode(), "", 0.1),
+           Reply(200, b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n', "", 0.1)]
+    assert [incomplete_text(r) for r in whole] == [""] * 4
+    assert all(incomplete_text(r) for r in cut), [incomplete_text(r) for r in cut]
+
+
+def test_every_text_route_gets_cut_replies():
+    world = World(100, 2, slot_dir="/nonexistent")
+    drawn = [generate(random.Random(i), world, sorted(CUT_ROUTES), cut_share=1.0) for i in range(200)]
+    assert {r.route for r in drawn} == set(CUT_ROUTES) and all(r.whole_text for r in drawn)
+    assert {r.value.get("stream") for r in drawn} == {True, False}
