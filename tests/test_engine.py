@@ -385,7 +385,7 @@ def test_a_misspelt_sampling_keyword_is_a_type_error_naming_it():
     import dataclasses
     import inspect
 
-    from ikdflash import Sampling
+    from ikdflash.engine import Sampling
 
     engine = Engine.__new__(Engine)
     fields = {f.name: f.default for f in dataclasses.fields(Sampling)}

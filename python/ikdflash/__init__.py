@@ -15,7 +15,7 @@ from typing import Any
 _EXPORTS = {
     "__version__": "ikdflash._core", "build_info": "ikdflash._core",
     "Generation": "ikdflash.model", "Model": "ikdflash.model",
-    "Engine": "ikdflash.engine", "Sampling": "ikdflash.engine", "SpeculationResult": "ikdflash.engine",
+    "Engine": "ikdflash.engine", "SpeculationResult": "ikdflash.engine",
     "SpeculationStats": "ikdflash.engine", "TokenLogprobs": "ikdflash.engine",
     "Completion": "ikdflash.serving.client", "complete": "ikdflash.serving.client",
     "Server": "ikdflash.serving.server", "ServerError": "ikdflash.serving.server",
