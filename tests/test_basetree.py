@@ -95,3 +95,25 @@ def test_cli_reports_errors_without_a_traceback(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 1
     assert "ikdflash-base: error:" in result.stderr and "Traceback" not in result.stderr
+
+
+def patch_message(path: Path) -> tuple[str, str]:
+    """(subject, body) of a patch file as refresh writes it (mail headers, message, diff)."""
+    text = path.read_text(errors="replace")
+    head, _, rest = text.partition("\n\n")
+    subject_lines = head.split("\nSubject: ", 1)[1].split("\n")
+    subject = " ".join([subject_lines[0]] + [line.strip() for line in subject_lines[1:] if line.startswith(" ")])
+    body = rest.split("\ndiff --git ", 1)[0].split("\n---\n", 1)[0]
+    return subject, body.strip()
+
+
+def test_every_patch_has_a_short_subject_and_a_body():
+    """Reviewable headers: a subject of at most 72 characters and a body that says why."""
+    series = (BASE_DIR / "patches" / "series").read_text().split()
+    assert len(series) >= 50
+    bad = {}
+    for name in series:
+        subject, body = patch_message(BASE_DIR / "patches" / name)
+        if len(subject) > 72 or not body:
+            bad[name] = (len(subject), len(body))
+    assert not bad, bad
