@@ -172,8 +172,8 @@ def test_captured_rows_are_the_reference_hidden_states(tiny_model, tmp_path):
         model.close()
 
 
-@pytest.mark.parametrize("layout,dflash2", [("seed", None), ("all-sliding", None), ("seed", DFLASH2)],
-                         ids=["seed", "all-sliding", "seed-dflash2"])
+@pytest.mark.parametrize("layout,dflash2", [("last-full", None), ("all-sliding", None), ("last-full", DFLASH2)],
+                         ids=["last-full", "all-sliding", "last-full-dflash2"])
 def test_the_training_forward_is_the_reference_block_by_block(target, tmp_path, layout, dflash2):
     """Many blocks of one sequence in one training pass compute what the reference computes for
     each block alone, with the context rows before its anchor (anchors past the window, so the

@@ -64,8 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         draft.add_argument("--" + name.replace("_", "-"), type=int, default=default,
                            help=f"with --arch dflash2 (default {default})")
     draft.add_argument("--layers", type=int, default=DEFAULTS["layers"], help="draft layers (default 2)")
-    draft.add_argument("--layout", choices=("seed", "all-sliding"), default=DEFAULTS["layout"],
-                       help="seed: sliding on every layer but the last; all-sliding")
+    # "seed", this layout's earlier name, still reads as last-full (run folders record their flags)
+    draft.add_argument("--layout", choices=("last-full", "all-sliding"), default=DEFAULTS["layout"],
+                       type=lambda name: "last-full" if name == "seed" else name,
+                       help="last-full: sliding on every layer but the last; all-sliding")
     draft.add_argument("--window", type=int, default=DEFAULTS["window"], help="sliding window W (default 128)")
     draft.add_argument("--block-size", type=int, default=DEFAULTS["block_size"], help="block B (default 8)")
     draft.add_argument("--target-layers", type=lambda s: [int(x) for x in s.split(",")],

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-DEFAULTS = {"layers": 2, "layout": "seed", "window": 128, "block_size": 8, "head_vocab": 16384}
+DEFAULTS = {"layers": 2, "layout": "last-full", "window": 128, "block_size": 8, "head_vocab": 16384}
 # DFlash2's settings as the published drafts have them
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 

@@ -318,12 +318,12 @@ def save_checkpoint(model: DraftModel, folder: Path) -> Path:
 
 
 def layer_types(n_layer: int, layout: str) -> list[str]:
-    """'seed': sliding on every layer but the last (the released SWA draft); 'all-sliding'."""
-    if layout == "seed":
+    """'last-full': sliding on every layer but the last (as the released SWA draft); 'all-sliding'."""
+    if layout == "last-full":
         return ["sliding_attention"] * (n_layer - 1) + ["full_attention"]
     if layout == "all-sliding":
         return ["sliding_attention"] * n_layer
-    raise ValueError(f"layout must be 'seed' or 'all-sliding', got {layout!r}")
+    raise ValueError(f"layout must be 'last-full' or 'all-sliding', got {layout!r}")
 
 
 def decay_weights(block_size: int, gamma: float) -> torch.Tensor:
