@@ -18,6 +18,7 @@ def basetree(tmp_path, monkeypatch):
     """A fresh copy of the module whose patch folder points into tmp_path."""
     spec = importlib.util.spec_from_file_location("basetree_under_test", BASE_DIR / "basetree.py")
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
     patches = tmp_path / "patches"
     patches.mkdir()
@@ -33,6 +34,7 @@ def sdist() -> Path:
     """The pinned sdist, from IKDFLASH_BASE_SOURCE or the download cache the build filled."""
     spec = importlib.util.spec_from_file_location("basetree_sdist", BASE_DIR / "basetree.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     source = Path(module.os.environ.get("IKDFLASH_BASE_SOURCE", "")) if module.os.environ.get(
         "IKDFLASH_BASE_SOURCE") else None
@@ -88,6 +90,46 @@ def test_export_then_refresh_round_trip(basetree, sdist, tmp_path):
     assert len(names) == len(log)
     newest = (basetree.PATCH_DIR / names[-1]).read_text()
     assert "Subject: docs: round-trip test" in newest and "+ikdflash round-trip test" in newest
+
+
+def small_tree(folder: Path, files: dict[str, str]) -> Path:
+    """An ik_llama.cpp-shaped tree (src/llama.cpp, ggml/) holding files."""
+    for name, text in {"src/llama.cpp": "// llama\n", "ggml/ggml.c": "// ggml\n", **files}.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    return folder
+
+
+def test_check_onto_says_which_patches_apply_conflict_or_are_there(basetree, tmp_path):
+    """Three patches on a small base, checked onto a tree that has the first one's change and a
+    change of its own where the second one edits: already there, a conflict, clean."""
+    lines = "".join(f"line {i}\n" for i in range(20))
+    base = small_tree(tmp_path / "base", {"a.txt": "one\n" + lines, "b.txt": lines + "two\n"})
+    work = tmp_path / "work"
+    subprocess.run(["cp", "-r", str(base), str(work)], check=True)
+    git = lambda *args: subprocess.run(["git", *args], cwd=work, check=True, capture_output=True,  # noqa: E731
+                                       env={**basetree.os.environ, **basetree.GIT_IDENTITY})
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "base")
+    for name, edit in (("a.txt", ("one", "ONE")), ("b.txt", ("two", "TWO"))):
+        (work / name).write_text((work / name).read_text().replace(*edit))
+        git("commit", "-qam", f"change {name}")
+    (work / "c.txt").write_text("new\n")
+    git("add", "c.txt")
+    git("commit", "-qm", "add c.txt")
+    for old in basetree.PATCH_DIR.glob("*.patch"):
+        old.unlink()
+    git("format-patch", "-q", "--zero-commit", "-o", str(basetree.PATCH_DIR), "HEAD~3")
+    basetree.SERIES_FILE.write_text("".join(p.name + "\n" for p in sorted(basetree.PATCH_DIR.glob("*.patch"))))
+    other = small_tree(tmp_path / "other", {"a.txt": "ONE\n" + lines, "b.txt": lines + "deux\n"})
+
+    fates = basetree.check_onto(other, str(base))
+    assert [(f.fate, f.alone) for f in fates] == [("upstream", "upstream"), ("conflict", "conflict"),
+                                                  ("clean", "clean")]
+    assert fates[1].detail == "b.txt (1 region)"
+    table = basetree.fate_table(fates, "other")
+    assert "1 apply, 1 are already there, 1 conflict" in table and table.count("\n| 000") == 3
 
 
 def test_cli_reports_errors_without_a_traceback(tmp_path):

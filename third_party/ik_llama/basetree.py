@@ -12,6 +12,9 @@ checks it against pin.txt, and writes the patched tree somewhere outside the rep
     # ... commit changes there, then turn the commits back into patches/
     python third_party/ik_llama/basetree.py refresh ~/src/ikdflash-fork
 
+    # how the series would fare on another ik_llama.cpp (a checkout or a tarball of it)
+    python third_party/ik_llama/basetree.py check --onto ~/src/ik_llama.cpp [--report table.md]
+
 Where the base comes from, first match wins: --source PATH (a sdist tarball, or a directory
 holding an ik_llama.cpp checkout at the pinned commit), the IKDFLASH_BASE_SOURCE environment
 variable, the download cache (IKDFLASH_CACHE_DIR, default ~/.cache/ikdflash), and finally
@@ -28,6 +31,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -260,6 +264,103 @@ def refresh(tree: Path) -> None:
     log(f"wrote {len(new)} patches to {PATCH_DIR}")
 
 
+@dataclass
+class PatchFate:
+    """How one patch of the series fares on another base."""
+    name: str
+    fate: str    # in the replay: "clean" (applies, 3-way merged if need be), "upstream" (already there), "conflict"
+    detail: str  # for a conflict: the files and their conflict regions, or git's reason
+    alone: str = ""  # the fate of the patch applied by itself to the other base (earlier ones left out)
+
+
+def place_other(other: Path, dest: Path) -> None:
+    """Copy another ik_llama.cpp into dest: a source tree, or a tarball holding one (at its top or
+    one folder down, as `git archive` and sdists write them)."""
+    if other.is_dir():
+        copy_checkout(other, dest)
+        return
+    if not other.is_file():
+        raise BaseTreeError(f"{other}: no such tree or tarball")
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            with tarfile.open(other) as tar:
+                tar.extractall(tmp, filter="data")
+        except tarfile.TarError as e:
+            raise BaseTreeError(f"{other}: not a tarball ({e})") from None
+        roots = [Path(tmp), *(p for p in Path(tmp).iterdir() if p.is_dir())]
+        root = next((r for r in roots if (r / "src" / "llama.cpp").is_file()), None)
+        if root is None:
+            raise BaseTreeError(f"{other}: no ik_llama.cpp source tree inside (no src/llama.cpp)")
+        copy_checkout(root, dest)
+
+
+def conflict_regions(repo: Path) -> str:
+    files = run_git(["diff", "--name-only", "--diff-filter=U"], cwd=repo, check=False).stdout.split()
+    counts = [(f, sum(line.startswith("<<<<<<< ") for line in (repo / f).read_text(errors="replace").splitlines()))
+              for f in files]
+    return ", ".join(f"{f} ({n} region{'s' * (n != 1)})" for f, n in counts)
+
+
+def try_patch(repo: Path, patch: Path) -> tuple[str, str]:
+    """(fate, detail) of one patch on the repository's HEAD, committed when it applies."""
+    if run_git(["apply", "--reverse", "--check", str(patch)], cwd=repo, check=False).returncode == 0:
+        return "upstream", "its change is already there (it reverses cleanly)"
+    result = run_git(["am", "-q", "--keep", "--3way", str(patch)], cwd=repo, check=False)
+    if result.returncode == 0:
+        return "clean", ""
+    why = conflict_regions(repo) or next(
+        (line for line in result.stdout.splitlines() if line.startswith(("error:", "fatal:"))), "")
+    run_git(["am", "--abort"], cwd=repo, check=False)
+    return "conflict", why
+
+
+def check_onto(other: Path, source: str | None) -> list[PatchFate]:
+    """Replay the series on another base in a scratch repository: each patch is already there (it
+    reverses cleanly), applies (with a 3-way merge against the pinned base's files where the
+    context moved), or conflicts; a conflicting patch is left out and the next one goes on. Each
+    patch is also tried alone on the other base, which tells its own conflicts from those of a
+    patch it builds on."""
+    pin = read_pin()
+    with tempfile.TemporaryDirectory(prefix="ikdflash-check-") as tmp:
+        repo = Path(tmp)
+        # the pinned base and the series first, so that every patch's own before and after are
+        # there for the 3-way merges...
+        place_base(pin, repo, source)
+        run_git(["init", "-q", "-b", "pinned"], cwd=repo)
+        run_git(["add", "-A", "-f"], cwd=repo)
+        run_git(["commit", "-q", "-m", f"pinned base {pin['commit']}"], cwd=repo)
+        for patch in patch_series():
+            if run_git(["am", "-q", "--keep", str(patch)], cwd=repo, check=False).returncode != 0:
+                raise BaseTreeError(f"patch {patch.name} does not apply to the pinned base")
+        # ...then the other base on a branch of its own
+        run_git(["checkout", "-q", "--orphan", "onto"], cwd=repo)
+        run_git(["rm", "-rq", "--cached", "."], cwd=repo)
+        for entry in repo.iterdir():
+            if entry.name != ".git":
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        place_other(other, repo)
+        run_git(["add", "-A", "-f"], cwd=repo)
+        run_git(["commit", "-q", "-m", f"other base {other.name}"], cwd=repo)
+        run_git(["tag", "other-base"], cwd=repo)
+        alone = {}
+        for patch in patch_series():
+            alone[patch.name] = try_patch(repo, patch)[0]
+            run_git(["reset", "-q", "--hard", "other-base"], cwd=repo)
+        fates = [PatchFate(patch.name, *try_patch(repo, patch), alone=alone[patch.name]) for patch in patch_series()]
+    return fates
+
+
+def fate_table(fates: list[PatchFate], other: str) -> str:
+    counts = {fate: sum(f.fate == fate for f in fates) for fate in ("clean", "upstream", "conflict")}
+    own = sum(f.fate == "conflict" and f.alone == "conflict" for f in fates)
+    lines = [f"The series ({len(fates)} patches) replayed onto {other}: {counts['clean']} apply, "
+             f"{counts['upstream']} are already there, {counts['conflict']} conflict ({own} of them also alone; "
+             f"the others only where a patch they build on was left out).", "",
+             "| patch | replayed | alone | conflicts in the replay |", "| --- | --- | --- | --- |"]
+    lines += [f"| {f.name.removesuffix('.patch')} | {f.fate} | {f.alone} | {f.detail} |" for f in fates]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -271,12 +372,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--source", help="sdist tarball or ik_llama.cpp checkout to use instead of downloading")
     p = sub.add_parser("refresh", help="regenerate patches/ from the commits of an exported tree")
     p.add_argument("tree", type=Path)
+    p = sub.add_parser("check", help="replay the series onto another ik_llama.cpp and say how each patch fares")
+    p.add_argument("--onto", type=Path, required=True, help="the other tree: a checkout or a tarball")
+    p.add_argument("--report", type=Path, help="also write the table (Markdown) here")
+    p.add_argument("--source", help="sdist tarball or ik_llama.cpp checkout of the pinned base")
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare":
             prepare(args.dest.resolve(), args.source)
         elif args.command == "export":
             export(args.dest.resolve(), args.source)
+        elif args.command == "check":
+            table = fate_table(check_onto(args.onto.resolve(), args.source), str(args.onto))
+            print(table, end="")
+            if args.report:
+                args.report.write_text(table)
         else:
             refresh(args.tree.resolve())
     except BaseTreeError as e:
