@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from ikdflash import Engine, Server
+from benchmarks.provenance import provenance
 from ikdflash.serving.client import post_json
 from ikdflash.convert import convert
 from ikdflash.serving.spectype import SpecType
@@ -106,7 +107,7 @@ def main() -> None:
           f"verify {row['server_verify_ms']:.2f} ms; its own bound {own_bound:.0f} tok/s, reached at "
           f"{row['server_own_ratio']:.3f}")
     if args.json:
-        args.json.write_text(json.dumps(row, indent=2))
+        args.json.write_text(json.dumps({"provenance": provenance(args.threads), **row}, indent=2))
 
 
 if __name__ == "__main__":

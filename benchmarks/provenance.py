@@ -1,6 +1,6 @@
 """Where and from what a benchmark result was measured, for its JSON file: the commit (with
-"-dirty" when the tree had changes), a fingerprint of the patch series, the build's CPU features,
-the CPU model, the threads and the date."""
+"-dirty" when the tree had changes), a fingerprint of the patch series, the build's backends and
+CPU features, the CPU model, the threads and the date."""
 
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ def provenance(threads: int) -> dict:
     fingerprint = hashlib.sha256(b"".join(p.read_bytes() for p in series)).hexdigest()[:16]
     commit = _git("rev-parse", "--short", "HEAD") or "unknown"
     # the build's "AVX = 1 | AVX2 = 1 | NEON = 0 | ..." as the features it has
-    features = [f.split("=")[0].strip() for f in ikdflash.build_info()["system"].split("|") if f.strip().endswith("= 1")]
+    info = ikdflash.build_info()
+    features = [f.split("=")[0].strip() for f in info["system"].split("|") if f.strip().endswith("= 1")]
     return {"commit": commit + ("-dirty" if _git("status", "--porcelain", "--untracked-files=no") else ""),
-            "patch_series": fingerprint, "build_features": " ".join(features),
+            "patch_series": fingerprint, "backends": list(info["backends"]), "build_features": " ".join(features),
             "cpu": cpu_model(), "threads": threads,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}
