@@ -177,3 +177,21 @@ def test_sigterm_stops_the_server_with_streams_open(pair, tmp_path):
         server.stop()
     print(f"llama-server exited {took:.2f} s after SIGTERM with 4 streams open")
     assert len(ended) == 4
+
+
+def test_a_cut_reply_still_counts_every_token(server):
+    """Tokens whose text is held back inside a character are still generated: each has its n_probs
+    entry and tokens_predicted counts it, while the text ends at the last whole character."""
+    cut = 0
+    for question in QUESTIONS:
+        prompt = f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"  # the target's template
+        for n_predict in (1, 2, 3):
+            body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "n_probs": 2}
+            status, raw = post(server + "/completion", body)
+            assert status == 200, raw[:200]
+            reply = json.loads(raw.decode("utf-8"))
+            probs = reply["completion_probabilities"]
+            assert reply["tokens_predicted"] == n_predict == len(probs), (question, n_predict, reply)
+            assert all(len(entry["probs"]) == 2 for entry in probs)
+            cut += any(entry["content"].startswith("byte: ") for entry in probs)  # a piece of a character
+    assert cut > 0
