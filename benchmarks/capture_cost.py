@@ -28,7 +28,7 @@ RUN_POSITIONS = 2048  # a run of passes fills the KV cache up to here
 
 def pass_ms(model: _core.Model, tokens: list[int], layer_ids: list[int], n_passes: int, top_k: int = 0) -> float:
     start = time.perf_counter()
-    model.layer_features(tokens, layer_ids, top_k)
+    _core.training.layer_features(model, tokens, layer_ids, top_k)
     return (time.perf_counter() - start) * 1000 / n_passes
 
 

@@ -42,7 +42,7 @@ def draft_steps(target: Path, draft_path: Path, prompts: list[list[int]], tokens
         layers = draft.info()["target_layer_ids"]
         for i, prompt in enumerate(prompts):
             seq = list(prompt) + model.generate_greedy(list(prompt), tokens)
-            features, _ = model.layer_features(seq, layers)
+            features, _ = _core.training.layer_features(model, seq, layers)
             context = _core.CrossContext(draft, 2048)
             context.append(features[:len(prompt)], np.arange(len(prompt), dtype=np.int32))
             for s in range(len(prompt), len(seq) - 1):

@@ -47,7 +47,7 @@ def frequent_ids(target: Path, n_conversations: int = 200) -> np.ndarray:
                 continue
             text = render(template, list(conv.messages))
             tokens = model.tokenize(text, add_special=False, parse_special=True)[:1024]
-            _, greedy = model._native.layer_features(tokens, [])
+            _, greedy = model.layer_features(tokens, [])
             counts += np.bincount(greedy, minlength=model.n_vocab)
             done += 1
             if done == n_conversations:

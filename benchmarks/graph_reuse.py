@@ -40,11 +40,11 @@ def main() -> None:
     reused: dict[int, list[float]] = {n: [] for n in args.rows}
     rebuilt: dict[int, list[float]] = {n: [] for n in args.rows}
     try:
-        _core.time_passes(model, args.rows, args.context, 1)  # warm-up: pages weights in, plans buffers
+        _core.measure.time_passes(model, args.rows, args.context, 1)  # warm-up: pages weights in, plans buffers
         for _ in range(args.rounds):
             for n in args.rows:
-                reused[n] += _core.time_passes(model, [n], args.context, args.passes)[0][1:]  # first: a build
-                rebuilt[n] += _core.time_passes(model, [n, n + 1], args.context, args.passes)[0]
+                reused[n] += _core.measure.time_passes(model, [n], args.context, args.passes)[0][1:]  # first: a build
+                rebuilt[n] += _core.measure.time_passes(model, [n, n + 1], args.context, args.passes)[0]
     finally:
         model.close()
 

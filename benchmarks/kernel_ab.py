@@ -28,8 +28,8 @@ def child(target: str, rows: list[int], context: int, repeats: int) -> None:
 
     model = _core.Model(target, n_ctx=context + max(rows) + 8, n_threads=2, n_batch=max(rows), repack=False)
     try:
-        _core.time_passes(model, rows, context, 2)  # warm-up: pages weights in, plans buffers
-        times = _core.time_passes(model, rows, context, repeats)
+        _core.measure.time_passes(model, rows, context, 2)  # warm-up: pages weights in, plans buffers
+        times = _core.measure.time_passes(model, rows, context, repeats)
     finally:
         model.close()
     print(json.dumps([statistics.median(t) for t in times]))

@@ -52,10 +52,10 @@ def measure(path: Path, repack: bool, rows: list[int], contexts: list[int], repe
     model = _core.Model(str(path), n_ctx=max(contexts) + max(rows), n_threads=threads, n_batch=max(rows),
                         repack=repack)
     try:
-        _core.time_passes(model, rows, min(contexts), 1)  # warm-up: pages weights in, plans buffers
+        _core.measure.time_passes(model, rows, min(contexts), 1)  # warm-up: pages weights in, plans buffers
         out = {}
         for n_context in contexts:
-            times = _core.time_passes(model, rows, n_context, repeats)
+            times = _core.measure.time_passes(model, rows, n_context, repeats)
             ms = [statistics.median(t) for t in times]
             out[n_context] = {"one_row_ms": ms[0], "ratio": {r: m / ms[0] for r, m in zip(rows, ms, strict=True)}}
         return out
@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
     check_target_and_rows(parser, args)
-    bandwidth = _core.memory_read_bandwidth(args.threads)
+    bandwidth = _core.measure.memory_read_bandwidth(args.threads)
     print(f"memory read, {args.threads} threads: {bandwidth:.1f} GB/s")
     header = f"{'type':>8} {'rtr':>3} {'MB':>5} {'floor':>6} {'ctx':>5} {'1 row':>7} | " + " ".join(
         f"{r:>5}" for r in args.rows[1:])
@@ -84,7 +84,7 @@ def main() -> None:
             path = args.target
             if type_name != "shipped":
                 path = Path(tmp) / f"{type_name}.gguf"
-                _core.quantize(str(args.target), str(path), type_name, args.threads)
+                _core.measure.quantize(str(args.target), str(path), type_name, args.threads)
             size_mb = path.stat().st_size / 1e6
             floor_ms = size_mb / bandwidth  # MB over GB/s: milliseconds
             for repack in (False, True):

@@ -29,9 +29,9 @@ def split(path: Path, rows: list[int], context: int, repeats: int, threads: int,
     model = _core.Model(str(path), n_ctx=context + max(rows) + 8, n_threads=threads, n_batch=max(rows),
                         repack=repack)
     try:
-        _core.time_passes(model, rows, context, 2)  # warm-up: pages weights in, plans buffers
-        undivided = _core.time_passes(model, rows, context, repeats)
-        by_op = _core.time_pass_ops(model, rows, context, repeats)
+        _core.measure.time_passes(model, rows, context, 2)  # warm-up: pages weights in, plans buffers
+        undivided = _core.measure.time_passes(model, rows, context, repeats)
+        by_op = _core.measure.time_pass_ops(model, rows, context, repeats)
     finally:
         model.close()
     out = {}

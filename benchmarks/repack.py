@@ -10,7 +10,7 @@ few-row kernel needs no transpose; the results are the same bit for bit. Repacki
 weights into memory of their own instead of mapping the file's pages, so the passes are timed in
 three loads in one process: as stored and mapped (the fork's default), as stored in memory of
 their own (--no-mmap), and repacked; each round times every load's passes of 1, 2, 3 and 5 rows
-after the same 160 cached tokens (`_core.time_passes`, 5 passes a load, the loads taking turns),
+after the same 160 cached tokens (`_core.measure.time_passes`, 5 passes a load, the loads taking turns),
 and each load's medians over rounds are reported against its own one-row pass and against the
 mapped load's one-row pass.
 
@@ -57,10 +57,10 @@ def pass_costs(target: Path, rounds: int) -> dict:
             model = _core.Model(str(target), n_ctx=256, n_threads=2, n_batch=8, **options)
             stack.callback(model.close)
             models[name] = model
-            _core.time_passes(model, PASS_ROWS, 160, 2)  # warm-up: pages weights in, plans buffers
+            _core.measure.time_passes(model, PASS_ROWS, 160, 2)  # warm-up: pages weights in, plans buffers
         for _ in range(rounds):
             for name, model in models.items():
-                for k, passes in enumerate(_core.time_passes(model, PASS_ROWS, 160, 5)):
+                for k, passes in enumerate(_core.measure.time_passes(model, PASS_ROWS, 160, 5)):
                     times[name][k] += passes
     return {name: {str(n): statistics.median(t) for n, t in zip(PASS_ROWS, rows, strict=True)}
             for name, rows in times.items()}

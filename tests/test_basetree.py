@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-BASE_DIR = Path(__file__).resolve().parents[1] / "third_party" / "ik_llama"
+REPO = Path(__file__).resolve().parents[1]
+BASE_DIR = REPO / "third_party" / "ik_llama"
 
 
 @pytest.fixture
@@ -48,8 +49,14 @@ def test_prepare_applies_the_series_and_is_idempotent(basetree, sdist, tmp_path)
     basetree.prepare(dest, str(sdist))
     stamp = basetree.read_stamp(dest)
     assert stamp["commit"] == "55d3c05"
-    assert "IKDFLASH_SOURCE_DIR" in (dest / "src" / "CMakeLists.txt").read_text()  # the hook patch
+    assert "IKDFLASH_SOURCE_DIR" in (dest / "CMakeLists.txt").read_text()  # the hook patch
     assert (dest / "common" / "cmake" / "build-info-gen-cpp.cmake").is_file()
+    # the DFlash runtime's public headers are C, on the patched llama.h
+    program = tmp_path / "uses_dflash.c"
+    program.write_text('#include "dflash.h"\n#include "dflash-measure.h"\nint main(void) { return dflash_fault("none"); }\n')
+    subprocess.run(["cc", "-std=c11", "-Wall", "-Wextra", "-pedantic", "-Werror", "-fsyntax-only",
+                    f"-I{REPO / 'cpp' / 'dflash'}", f"-I{dest / 'include'}", f"-I{dest / 'ggml' / 'include'}",
+                    str(program)], check=True)
     marker = dest / "untouched"
     marker.write_text("prepare must not rebuild an unchanged tree")
     basetree.prepare(dest, str(sdist))

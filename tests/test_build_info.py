@@ -53,11 +53,27 @@ def test_doctor_text_names_every_section():
 
 
 def test_the_package_ships_its_type_hints_and_license():
-    """py.typed makes type checkers read the hints (and _core.pyi); the license matches pyproject."""
+    """py.typed makes type checkers read the hints (and _core/*.pyi); the license matches pyproject."""
     from importlib import metadata, resources
     assert (resources.files("ikdflash") / "py.typed").is_file()
-    assert (resources.files("ikdflash") / "_core.pyi").is_file()
+    assert (resources.files("ikdflash") / "_core" / "__init__.pyi").is_file()
     dist = metadata.distribution("ikdflash")
     assert dist.metadata["License-Expression"] == "MIT"
     licenses = [f for f in dist.files if f.name == "LICENSE"]
     assert licenses and "MIT License" in licenses[0].read_text()
+
+
+def dynamic_symbols(library: Path) -> set[str]:
+    listing = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True,
+                             check=True).stdout
+    return {line.split()[-1] for line in listing.splitlines() if line.strip()}
+
+
+def test_dflash_runtime_is_its_own_library_on_llama():
+    lib = fork.PACKAGE_DIR / "lib"
+    runtime = dynamic_symbols(lib / "libikdflash.so")
+    assert {"dflash_engine_init", "dflash_draft_load", "dflash_capture_features"} <= runtime
+    assert not {name for name in dynamic_symbols(lib / "libllama.so") if name.startswith("dflash_")}
+    needed = subprocess.run(["readelf", "-d", str(lib / "libikdflash.so")], capture_output=True, text=True,
+                            check=True).stdout
+    assert "[libllama.so]" in needed

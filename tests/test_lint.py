@@ -1,5 +1,5 @@
 """The package, its tests and benchmarks pass the linters configured in pyproject.toml: ruff over
-all three, mypy over the package (its _core.pyi included; tests/test_stub.py checks that stub
+all three, mypy over the package (its _core stubs included; tests/test_stub.py checks those stubs
 against the module)."""
 
 from __future__ import annotations

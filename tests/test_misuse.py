@@ -86,16 +86,16 @@ def test_one_capture_per_context(pair):
         first = _core.Engine(model, draft, 64)
         expected = first.generate(prompt, 12, 4)[0]
         refused(lambda: _core.Engine(model, draft, 64), ValueError, "already has a DFlash capture")
-        refused(lambda: model.layer_features(prompt, [0]), ValueError, "already has a DFlash capture")
+        refused(lambda: _core.training.layer_features(model, prompt, [0]), ValueError, "already has a DFlash capture")
         assert first.generate(prompt, 12, 4)[0] == expected
         first.close()
         second = _core.Engine(model, draft, 64)
         assert second.generate(prompt, 12, 4)[0] == expected
         second.close()
-        features, greedy = model.layer_features(prompt, [0])
+        features, greedy = _core.training.layer_features(model, prompt, [0])
         assert features.shape[0] == len(prompt)
         # a capture that failed to install left nothing behind: plain decoding still works
-        refused(lambda: model.layer_features(prompt, [99]), ValueError, "target layer id 99")
+        refused(lambda: _core.training.layer_features(model, prompt, [99]), ValueError, "target layer id 99")
         assert model.generate_greedy(prompt, 12, False) == expected
     """)
 

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from ikdflash import Model
+from ikdflash import Model, _core
 from conftest import TARGET_ARCHS
 
 TEXT = "the quick brown fox jumps over the lazy dog, then the cat sat on the mat."
@@ -62,9 +62,9 @@ def test_quantized_rows_not_a_multiple_of_128_give_the_same_states_in_any_batch(
                       weight_type=weight_type)
     with Model(path, n_ctx=256) as model:
         tokens = model.tokenize(TEXT * 2, add_special=False)[:48]
-        whole, _ = model._native.layer_features(tokens, [model.n_layer - 2])
+        whole, _ = _core.training.layer_features(model._native, tokens, [model.n_layer - 2])
     with Model(path, n_ctx=256, n_batch=8) as model:
-        chunked, _ = model._native.layer_features(tokens, [model.n_layer - 2])
+        chunked, _ = _core.training.layer_features(model._native, tokens, [model.n_layer - 2])
     error = np.abs(whole - chunked).max() / np.abs(chunked).max()
     assert error < 0.02, f"states differ by {100 * error:.1f}% between a batch of 48 and batches of 8"
 
@@ -80,7 +80,7 @@ def test_q4_1_few_row_products_do_not_depend_on_how_threads_split_the_rows(tiny_
     for threads in (1, 3):
         with Model(path, n_ctx=256, n_batch=8, n_threads=threads) as model:
             tokens = model.tokenize(TEXT * 2, add_special=False)[:40]
-            states.append(model._native.layer_features(tokens, [0, 1])[0])
+            states.append(_core.training.layer_features(model._native, tokens, [0, 1])[0])
     assert np.array_equal(states[0], states[1]), np.abs(states[0] - states[1]).max()
 
 
@@ -99,7 +99,7 @@ def test_q4_1_weights_repacked_at_load_compute_what_they_compute_as_stored(tiny_
         states = {}
         for repack in (False, True):
             with Model(path, n_ctx=256, n_batch=n_batch, n_threads=2, repack=repack) as model:
-                states[repack] = model._native.layer_features(tokens, [0, 1])[0]
+                states[repack] = _core.training.layer_features(model._native, tokens, [0, 1])[0]
         if n_ff > 4096 and n_batch == 8:
             error = np.abs(states[True] - states[False]).max() / np.abs(states[False]).max()
             assert error < 0.02, f"repacked states differ by {100 * error:.1f}% from the stored layout's"
@@ -124,7 +124,7 @@ def test_weights_are_repacked_by_default_only_where_results_stay_exact(tiny_mode
     untied_q4_1 = tiny_model("llama", **shape, weight_type="Q4_1")
     q4_1 = tied(untied_q4_1)
     q6_k = tmp_path / "q6_k.gguf"
-    _core.quantize(str(f32), str(q6_k), "Q6_K", 2)
+    _core.measure.quantize(str(f32), str(q6_k), "Q6_K", 2)
     assert repack_by_default(q4_1)
     assert not repack_by_default(q4_1, n_gpu_layers=1)
     assert not repack_by_default(untied_q4_1)  # a head of its own: a draft may cut rows out of it
@@ -147,7 +147,7 @@ states = {}
 for repack in (False, True):
     model = _core.Model(path, n_ctx=256, n_batch=8, n_threads=2, repack=repack)
     try:
-        states[repack] = model.layer_features(tokens, [0, 1])[0]
+        states[repack] = _core.training.layer_features(model, tokens, [0, 1])[0]
     finally:
         model.close()
 print(np.abs(states[True] - states[False]).max() / np.abs(states[False]).max())
@@ -163,7 +163,7 @@ def test_iq4_nl_weights_repacked_compute_what_they_compute_as_stored(tiny_model,
     from ikdflash import _core
     f32 = tiny_model("llama", n_layer=3, n_embd=576, n_head=9, n_head_kv=3, head_dim=64, n_ff=256)
     path = tmp_path / "iq4_nl.gguf"
-    _core.quantize(str(f32), str(path), "IQ4_NL", 2)
+    _core.measure.quantize(str(f32), str(path), "IQ4_NL", 2)
     tokens = ",".join(str(3 + (7 * i) % 240) for i in range(24))
     run = subprocess.run([sys.executable, "-c", REPACKED_STATES, str(path), tokens], capture_output=True, text=True,
                          timeout=120)

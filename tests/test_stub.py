@@ -1,6 +1,6 @@
-"""The native module's stub (_core.pyi, advertised by py.typed) says what the module has: every
-public name, and for each function and method the parameters in order, with the same ones
-optional. pybind11 functions carry their signatures in their docstrings only, which is where
+"""The native module's stubs (_core/__init__.pyi and one .pyi per submodule, advertised by
+py.typed) say what the module has: every public name, and for each function and method the
+parameters in order, with the same ones optional. pybind11 functions carry their signatures in their docstrings only, which is where
 mypy.stubtest cannot look, so this compares the stub with those."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ikdflash import _core
 
-STUB = Path(_core.__file__).with_name("_core.pyi")
+STUBS = Path(_core.__file__).with_name("_core")
+SUBMODULES = ("measure", "training")
 SIGNATURE = re.compile(r"^(?:\d+\. )?(\w+)\((.*)\) -> ", re.MULTILINE)
 
 
@@ -45,8 +46,8 @@ def public(names) -> set[str]:
     return {n for n in names if not n.startswith("_")} | ({"__init__"} & names)
 
 
-def stub_members() -> dict[str, dict[str, ast.AST]]:
-    tree = ast.parse(STUB.read_text())
+def stub_members(module: str = "") -> dict[str, dict[str, ast.AST]]:
+    tree = ast.parse((STUBS / f"{module or '__init__'}.pyi").read_text())
     members: dict[str, dict[str, ast.AST]] = {"": {}}
     for node in tree.body:
         if isinstance(node, ast.FunctionDef):
@@ -61,17 +62,20 @@ def stub_members() -> dict[str, dict[str, ast.AST]]:
 
 def test_the_stub_declares_every_public_name_and_nothing_else():
     stub = stub_members()
-    assert public(stub[""]) == public(dir(_core)) - {"annotations"}
+    assert public(stub[""]) | set(SUBMODULES) == public(dir(_core)) - {"annotations"}
+    for name in SUBMODULES:
+        assert public(stub_members(name)[""]) == public(dir(getattr(_core, name))), name
     for cls in (v for v in vars(_core).values() if inspect.isclass(v)):
         runtime = public(n for n in dir(cls) if n not in dir(object) or n == "__init__")
         assert public(stub[cls.__name__]) == runtime, cls.__name__
 
 
 def test_every_stub_signature_matches_the_module():
-    stub = stub_members()
     checked = 0
-    for scope, members in stub.items():
-        owner = getattr(_core, scope) if scope else _core
+    scopes = [(_core, scope, members) for scope, members in stub_members().items()]
+    scopes += [(getattr(_core, name), "", stub_members(name)[""]) for name in SUBMODULES]
+    for module, scope, members in scopes:
+        owner = getattr(module, scope) if scope else module
         for name, node in members.items():
             if not isinstance(node, ast.FunctionDef) or any(
                     isinstance(d, ast.Name) and d.id == "property" for d in node.decorator_list):

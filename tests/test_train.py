@@ -119,28 +119,28 @@ def test_layer_features_are_the_targets_own(target):
     prompt = model.tokenize("the river town and its bridges", add_special=True)
     continuation = model.generate_greedy(prompt, 12, stop_at_eog=False)
     tokens = prompt + continuation
-    features, greedy = model.layer_features(tokens, [0, 2])
+    features, greedy = _core.training.layer_features(model, tokens, [0, 2])
     assert features.shape == (len(tokens), 2 * model.n_embd) and features.dtype == np.float32
     # the greedy token after each prompt position is what greedy decoding produced
     assert list(greedy[len(prompt) - 1:-1]) == continuation
     # rows do not depend on how the sequence was cut into batches (n_batch 16 here, 256 below)
     whole = _core.Model(str(target), n_ctx=256, n_batch=256)
-    np.testing.assert_allclose(whole.layer_features(tokens, [0, 2])[0], features, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(_core.training.layer_features(whole, tokens, [0, 2])[0], features, rtol=1e-4, atol=1e-4)
     # no layers: nothing captured (the capture's cost is measured against this), same greedy tokens
-    bare, bare_greedy = model.layer_features(tokens, [])
+    bare, bare_greedy = _core.training.layer_features(model, tokens, [])
     assert bare.shape == (len(tokens), 0) and list(bare_greedy) == list(greedy)
     # the top tokens: the greedy one first, logits less the largest, falling
-    same, same_greedy, top_ids, top_logits = model.layer_features(tokens, [0, 2], top_k=5)
+    same, same_greedy, top_ids, top_logits = _core.training.layer_features(model, tokens, [0, 2], top_k=5)
     np.testing.assert_array_equal(same, features)
     assert top_ids.shape == top_logits.shape == (len(tokens), 5)
     assert list(top_ids[:, 0]) == list(greedy) and (top_logits[:, 0] == 0).all()
     assert (np.diff(top_logits, axis=1) <= 0).all() and all(len(set(row)) == 5 for row in top_ids)
     with pytest.raises(ValueError, match="top_k must lie in"):
-        model.layer_features(tokens, [0], top_k=-1)
+        _core.training.layer_features(model, tokens, [0], top_k=-1)
     with pytest.raises(ValueError, match="outside 0..2"):
-        model.layer_features(tokens, [3])
+        _core.training.layer_features(model, tokens, [3])
     with pytest.raises(ValueError, match="do not fit the context"):
-        model.layer_features(tokens * 20, [0])
+        _core.training.layer_features(model, tokens * 20, [0])
 
 
 def test_captured_rows_are_the_reference_hidden_states(tiny_model, tmp_path):
@@ -160,7 +160,7 @@ def test_captured_rows_are_the_reference_hidden_states(tiny_model, tmp_path):
     hidden = out.hidden_states
     for gpu_layers in (0, 99) if "CUDA" in _core.build_info()["backends"] else (0,):
         model = _core.Model(str(target), n_ctx=512, n_batch=512, n_gpu_layers=gpu_layers)
-        features, _, top_ids, top_logits = model.layer_features(tokens, [0, 2], top_k=8)
+        features, _, top_ids, top_logits = _core.training.layer_features(model, tokens, [0, 2], top_k=8)
         for k, il in enumerate([0, 2]):
             np.testing.assert_allclose(features[:, k * model.n_embd:(k + 1) * model.n_embd],
                                        hidden[il + 1][0].numpy(), rtol=1e-2, atol=1e-2)
@@ -592,7 +592,7 @@ def test_the_torch_capture_is_the_forks(tiny_model, arch, weights):
     rng = np.random.default_rng(3)
     sequences = [rng.integers(0, 200, 37).tolist(), rng.integers(0, 200, 12).tolist()]
     model = _core.Model(str(target), n_ctx=256, n_batch=256)
-    fork = [model.layer_features(s, [0, 2], top_k=8) for s in sequences]
+    fork = [_core.training.layer_features(model, s, [0, 2], top_k=8) for s in sequences]
     model.close()
     with TorchTarget(target, "cpu") as ours:
         both = ours.capture(sequences, [0, 2], 8)
@@ -695,7 +695,7 @@ def test_prompts_answered_in_pytorch_are_the_targets_answers(trained, target, tm
         if i % 4 != 3:  # greedy (every fourth is sampled at 0.8): each token the greedy one after the last,
             # as PyTorch captured it and (within the fork's rounding: random tiny weights tie often) as the fork does
             assert tokens[len(question):] == got.greedy[start + len(question) - 1:start + n - 1].tolist()
-            fork = model._native.layer_features(tokens, [0], 0)[1]
+            fork = _core.training.layer_features(model._native, tokens, [0], 0)[1]
             assert (fork[len(question) - 1:-1] == tokens[len(question):]).mean() >= 0.9
     assert data_main(["answer", "--target", str(target), str(run / "data"), str(tmp_path / "x")]) == 2
     assert "not a prompts file" in capsys.readouterr().err

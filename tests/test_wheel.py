@@ -64,7 +64,7 @@ def test_the_wheel_installs_without_compiling_and_runs_on_its_own(tmp_path, tiny
                                   check=True, capture_output=True, text=True, cwd=tmp_path).stdout.strip()).parent
     assert package.is_relative_to(venv), package
     binaries = elf_files(package)
-    assert {p.name for p in binaries} >= {"llama-server", "libllama.so", "libggml.so"}
+    assert {p.name for p in binaries} >= {"llama-server", "libllama.so", "libikdflash.so", "libggml.so"}
     for binary in binaries:
         dynamic = subprocess.run(["readelf", "-d", binary], check=True, capture_output=True, text=True).stdout
         run_paths = [line.split("[", 1)[1].rstrip("]") for line in dynamic.splitlines() if "RUNPATH" in line

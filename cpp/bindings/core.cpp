@@ -6,9 +6,7 @@
 namespace ikdflash {
 void bind_dflash(py::module_ & m);
 void bind_measure(py::module_ & m);
-void bind_answers(py::module_ & m);
-py::tuple layer_features(Model & model, const std::vector<llama_token> & tokens, const std::vector<int32_t> & layer_ids,
-                         int top_k);
+void bind_training(py::module_ & m);
 }
 
 namespace {
@@ -59,9 +57,6 @@ PYBIND11_MODULE(_core, m) {
         .def("detokenize", &Model::detokenize, py::arg("tokens"), py::arg("render_special") = false)
         .def("generate_greedy", &Model::generate_greedy, py::arg("prompt"), py::arg("max_tokens"),
              py::arg("stop_at_eog") = true)
-        .def("layer_features", &layer_features, py::arg("tokens"), py::arg("layer_ids"), py::arg("top_k") = 0,
-             "Target layer outputs and greedy next tokens at every position of tokens; top_k > 0 adds each\n"
-             "position's top_k next-token ids and logits less the largest: (features, greedy, top_ids, top_logits).")
         .def("meta", &Model::meta, py::arg("key"))
         .def_property_readonly("path", &Model::path)
         .def_property_readonly("n_vocab", &Model::n_vocab)
@@ -70,6 +65,9 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("n_ctx", &Model::n_ctx);
 
     bind_dflash(m);
-    bind_measure(m);
-    bind_answers(m);
+    // apart from the runtime: what benchmarks and training use, not needed to decode
+    py::module_ measure = m.def_submodule("measure", "Pass timings, memory bandwidth and requantizing, for benchmarks.");
+    py::module_ training = m.def_submodule("training", "The target's layer outputs and answers: a draft's training data.");
+    bind_measure(measure);
+    bind_training(training);
 }

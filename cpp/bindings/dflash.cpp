@@ -5,6 +5,7 @@
 #include "model.h"
 
 #include "dflash.h"
+#include "dflash-measure.h"
 #include "dflash-impl.h"
 #include "dflash-mask.h"
 
@@ -527,112 +528,6 @@ py::array_t<float> attention_mask(std::vector<int32_t> key_positions, int start,
 }
 
 }  // namespace
-
-// The top_k largest logits of a row, largest first (ties: the lower id first, as the greedy
-// token is chosen), written as ids and as logits less the largest (so <= 0, and exact in f16
-// near the top, where it matters).
-static void top_logits(const float * logits, int n_vocab, int top_k, int32_t * ids, float * values) {
-    int n = 0;
-    for (int id = 0; id < n_vocab; ++id) {
-        const float v = logits[id];
-        if (n == top_k && v <= values[n - 1]) {
-            continue;  // most ids stop here: one comparison each
-        }
-        int at = n < top_k ? n++ : top_k - 1;
-        for (; at > 0 && values[at - 1] < v; --at) {
-            values[at] = values[at - 1];
-            ids[at] = ids[at - 1];
-        }
-        values[at] = v;
-        ids[at] = id;
-    }
-    for (int i = n - 1; i >= 0; --i) {
-        values[i] -= values[0];
-    }
-}
-
-// The target's outputs at layer_ids for every position of tokens (one fresh pass, the KV cache
-// cleared first), and the target's greedy next token at each position: the training data of a
-// draft, from the same capture the speculative loop uses. No layer ids: no capture at all (the
-// features have width 0), which is what the capture's cost is measured against. top_k > 0 adds
-// each position's top_k next-token ids and their logits (less the row's largest), the target's
-// distribution a draft can learn beside its greedy token: (features, greedy, top_ids, top_logits).
-py::tuple layer_features(Model & model, const std::vector<llama_token> & tokens, const std::vector<int32_t> & layer_ids,
-                         int top_k) {
-    model.check_tokens(tokens);
-    llama_context * ctx = model.raw_context();
-    const int n = (int) tokens.size();
-    if (n == 0) {
-        throw py::value_error("tokens is empty: give at least one token");
-    }
-    if (n > (int) llama_n_ctx(ctx)) {
-        throw py::value_error(std::to_string(n) + " tokens do not fit the context of " +
-                              std::to_string(llama_n_ctx(ctx)) + ": load the model with a larger n_ctx");
-    }
-    const int width = (int) layer_ids.size() * model.n_embd();
-    const int n_vocab = model.n_vocab();
-    if (top_k < 0 || top_k > n_vocab) {
-        throw py::value_error("top_k must lie in 0.." + std::to_string(n_vocab) + ", got " + std::to_string(top_k));
-    }
-    py::array_t<float> features({n, width});
-    py::array_t<int32_t> greedy(n);
-    py::array_t<int32_t> top_ids({n, top_k});
-    py::array_t<float> top_values({n, top_k});
-    float * feat = features.mutable_data();
-    int32_t * next = greedy.mutable_data();
-    int32_t * ids = top_ids.mutable_data();
-    float * values = top_values.mutable_data();
-    const std::string error = model.exclusive([&]() -> std::string {
-        std::unique_ptr<dflash_capture, decltype(&dflash_capture_free)> capture(nullptr, &dflash_capture_free);
-        if (!layer_ids.empty()) {
-            capture.reset(dflash_capture_init_layers(ctx, layer_ids.data(), (int) layer_ids.size()));
-            if (!capture) {
-                throw py::value_error(dflash_last_error());  // carried out of the GIL-free region by value
-            }
-        }
-        std::string error;
-        const int n_batch = (int) llama_n_batch(ctx);
-        llama_batch batch = llama_batch_init(n_batch, 0, 1);
-        llama_kv_cache_clear(ctx);
-        for (int i = 0; i < n && error.empty(); i += n_batch) {
-            const int m = std::min(n_batch, n - i);
-            dflash_impl::fill_seq0_batch(batch, tokens.data() + i, m, i, true);
-            if (capture) {
-                dflash_capture_begin(capture.get(), true);
-            }
-            const int rc = llama_decode(ctx, batch);
-            if (capture) {
-                dflash_capture_begin(capture.get(), false);
-            }
-            if (rc != 0) {
-                error = "the target's decode failed (code " + std::to_string(rc) + ") at position " + std::to_string(i);
-            } else if (capture && (dflash_capture_check(capture.get(), m) != 0 ||
-                                   dflash_capture_features(capture.get(), feat + (size_t) i * width, m) != 0)) {
-                error = dflash_last_error();
-            }
-            for (int j = 0; j < m && error.empty(); ++j) {
-                const float * logits = llama_get_logits_ith(ctx, j);
-                if (top_k > 0) {  // its first is the greedy token, ties broken alike: one scan, not two
-                    const size_t row = (size_t) (i + j) * top_k;
-                    top_logits(logits, n_vocab, top_k, ids + row, values + row);
-                    next[i + j] = ids[row];
-                } else {
-                    next[i + j] = (int32_t) (std::max_element(logits, logits + n_vocab) - logits);
-                }
-            }
-        }
-        llama_batch_free(batch);
-        llama_kv_cache_clear(ctx);
-        return error;
-    });
-    if (!error.empty()) {
-        throw std::runtime_error(model.path() + ": " + error);
-    }
-    if (top_k > 0) {
-        return py::make_tuple(features, greedy, top_ids, top_values);
-    }
-    return py::make_tuple(features, greedy);
-}
 
 void bind_dflash(py::module_ & m) {
     py::class_<Draft>(m, "Draft")

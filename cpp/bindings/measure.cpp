@@ -7,10 +7,6 @@
 
 #include "dflash-impl.h"
 
-#include <random>  // before llama-context.h, whose sampling header needs it
-
-#include "llama-context.h"  // the context's eval callback
-
 #include <map>
 #include <memory>
 #include <thread>
@@ -30,16 +26,11 @@ using dflash_impl::now_ms;
 // by its weight ("mul_mat attn_q", "mul_mat output"), other nodes by their operation.
 class OpTimer {
 public:
-    explicit OpTimer(llama_context * ctx) : ctx_(ctx), saved_(ctx->cparams.cb_eval), saved_data_(ctx->cparams.cb_eval_user_data) {
-        ctx_->cparams.cb_eval = &OpTimer::on_node;
-        ctx_->cparams.cb_eval_user_data = this;
-        ggml_backend_sched_set_eval_callback(ctx_->sched, &OpTimer::on_node, this);
+    explicit OpTimer(llama_context * ctx) : ctx_(ctx) {
+        saved_ = llama_get_eval_callback(ctx_, &saved_data_);
+        llama_set_eval_callback(ctx_, &OpTimer::on_node, this);
     }
-    ~OpTimer() {
-        ctx_->cparams.cb_eval = saved_;
-        ctx_->cparams.cb_eval_user_data = saved_data_;
-        ggml_backend_sched_set_eval_callback(ctx_->sched, saved_, saved_data_);
-    }
+    ~OpTimer() { llama_set_eval_callback(ctx_, saved_, saved_data_); }
     OpTimer(const OpTimer &) = delete;
     OpTimer & operator=(const OpTimer &) = delete;
 
@@ -71,8 +62,8 @@ private:
     }
 
     llama_context * ctx_;
-    ggml_backend_sched_eval_callback saved_;
-    void * saved_data_;
+    ggml_backend_sched_eval_callback saved_ = nullptr;
+    void * saved_data_ = nullptr;
     double started_ = 0.0;
     std::map<std::string, double> ms_;
 };

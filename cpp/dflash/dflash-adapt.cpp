@@ -3,6 +3,7 @@
 // target pass per row count. Nothing here touches a model but dflash_costs_calibrate.
 
 #include "dflash.h"
+#include "dflash-measure.h"
 #include "dflash-impl.h"
 
 #include <algorithm>

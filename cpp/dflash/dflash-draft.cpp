@@ -2,13 +2,13 @@
 // The math is docs/dflash.md; names of keys and tensors are docs/gguf.md.
 
 #include "dflash.h"
+#include "dflash-measure.h"
 #include "dflash-impl.h"
 #include "dflash-mask.h"
 
 #include "ggml.h"
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
-#include "llama-model.h"  // the target's token_embd / output tensors
 
 #include <algorithm>
 #include <cfloat>
@@ -626,12 +626,14 @@ void bind_tensors(dflash_draft & d, const llama_model * target) {
     if (d.output != nullptr && d.tok_embd == nullptr) {
         fail("the draft has output.weight but no token_embd.weight");
     }
-    // borrow what the draft does not carry: the target's embedding table and head
+    // borrow what the draft does not carry: the target's embedding table and head (graph ops
+    // take tensors as non-const; the draft only reads them)
+    ggml_tensor * target_embd = const_cast<ggml_tensor *>(llama_model_token_embd(target));
     if (d.tok_embd == nullptr) {
-        d.tok_embd = target->tok_embd;
+        d.tok_embd = target_embd;
     }
     if (d.output == nullptr) {
-        d.output = d.tok_embd == target->tok_embd ? target->output : d.tok_embd;
+        d.output = d.tok_embd == target_embd ? const_cast<ggml_tensor *>(llama_model_output(target)) : d.tok_embd;
     }
     if (d.tok_embd->ne[0] != d.n_embd) {
         fail("the target's embedding width %lld differs from the draft's %d; the draft cannot use the target's "
@@ -711,7 +713,7 @@ ggml_backend_t init_first_accelerator() {
 
 // Choose where the draft runs (docs: dflash.h, dflash_draft_params) and set up its schedulers.
 void place(dflash_draft & d, const llama_model * target, const dflash_draft_params & params) {
-    const ggml_tensor * head = target->output ? target->output : target->tok_embd;
+    const ggml_tensor * head = llama_model_output(target) ? llama_model_output(target) : llama_model_token_embd(target);
     ggml_backend_buffer_type_t head_buft = head->buffer ? ggml_backend_buffer_get_type(head->buffer) : nullptr;
     const bool head_on_device = head_buft != nullptr && !ggml_backend_buft_is_host(head_buft);
     if (params.n_gpu_layers < 0 ? head_on_device : params.n_gpu_layers > 0) {

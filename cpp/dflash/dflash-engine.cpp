@@ -3,14 +3,11 @@
 // target processes; committed rows go to the draft's cross-context.
 
 #include "dflash.h"
+#include "dflash-measure.h"
 #include "dflash-impl.h"
 #include "dflash-sampler.h"
 
-#include <random>  // before llama-context.h, whose sampling header needs it
-
 #include "ggml-backend.h"
-#include "llama-context.h"  // the layer tap and the recurrent state tensors
-#include "llama-model.h"
 
 #include <algorithm>
 #include <cmath>
@@ -28,22 +25,21 @@ using dflash_impl::now_ms;
 // the context's layer tap: the graph keeps them as outputs and hands them over once computed.
 struct dflash_capture {
     llama_context * ctx = nullptr;
-    std::vector<int> layer_ids;            // in the draft's order
+    std::vector<int32_t> layer_ids;        // in the draft's order
     int n_embd = 0;
     bool active = false;
     bool failed = false;                   // the last pass handed over an output we cannot read
     std::vector<std::vector<float>> rows;  // per captured layer: n_embd floats per batch token
 
-    ~dflash_capture() { ctx->set_layer_tap({}); }
+    ~dflash_capture() { llama_set_layer_tap(ctx, nullptr, 0, nullptr, nullptr); }
 
-    // Called after each ubatch's compute; ubatches arrive in order, so appending keeps rows in
-    // batch order. One sync for the pass, then every layer's rows.
-    static void on_computed(void * user_data, ggml_tensor * const * outputs, int n_outputs) {
+    // Called after each ubatch's compute, outputs ready; ubatches arrive in order, so appending
+    // keeps rows in batch order.
+    static void on_computed(void * user_data, ggml_tensor * const * outputs, int32_t n_outputs) {
         auto * self = (dflash_capture *) user_data;
         if (!self->active || self->failed) {
             return;
         }
-        ggml_backend_sched_synchronize(self->ctx->sched);
         for (int i = 0; i < n_outputs; ++i) {
             const ggml_tensor * t = outputs[i];
             if (t == nullptr || t->type != GGML_TYPE_F32 || t->ne[0] != self->n_embd || !ggml_is_contiguous(t) ||
@@ -142,10 +138,11 @@ struct dflash_seq {
 
     // Views of this sequence's rows of ctx's recurrent state tensors, and room for their copies.
     void bind_state_rows(llama_context * ctx) {
-        const auto & s_l = ctx->kv_self.s_l;
-        ggml_init_params params = {ggml_tensor_overhead() * 2 * std::max<size_t>(1, s_l.size()), nullptr, /*no_alloc=*/true};
+        const int n_layer = llama_n_layer(llama_get_model(ctx));
+        ggml_init_params params = {ggml_tensor_overhead() * 2 * (size_t) std::max(1, n_layer), nullptr, /*no_alloc=*/true};
         state_ctx = ggml_init(params);
-        for (ggml_tensor * s : s_l) {
+        for (int il = 0; il < n_layer; ++il) {
+            ggml_tensor * s = llama_get_recurrent_state(ctx, il);
             if (s == nullptr) {
                 continue;
             }
@@ -582,7 +579,7 @@ dflash_capture * dflash_capture_init_layers(llama_context * ctx, const int32_t *
         }
     }
     // The context has one layer tap: a second capture would silently take it from the first.
-    if (ctx->layer_tap.on_computed != nullptr) {
+    if (llama_has_layer_tap(ctx)) {
         dflash_impl::last_error = "this target context already has a DFlash capture (an engine or a feature "
                                   "capture is using it): free that first, or use another context";
         return nullptr;
@@ -592,7 +589,7 @@ dflash_capture * dflash_capture_init_layers(llama_context * ctx, const int32_t *
     c->n_embd = llama_model_n_embd(llama_get_model(ctx));
     c->layer_ids.assign(layer_ids, layer_ids + n_layers);
     c->rows.resize(c->layer_ids.size());
-    ctx->set_layer_tap({c->layer_ids, dflash_capture::on_computed, c.get()});
+    llama_set_layer_tap(ctx, c->layer_ids.data(), (int32_t) c->layer_ids.size(), dflash_capture::on_computed, c.get());
     return c.release();
 }
 

@@ -1,33 +1,55 @@
-// DFlash draft runtime, compiled into the fork's libllama.
+// DFlash draft runtime: a library on llama.h (libikdflash), which the fork's programs and the
+// Python bindings link. Measurement and training entry points: dflash-measure.h.
 //
 // A DFlash draft reads the outputs of a few target layers ("features"), fuses each position's
 // features into one context row, and proposes a block of tokens in a single forward pass. The
 // semantics follow the DFlash reference (docs: dflash.md): exact positions, the whole block of
 // block_size rows every step, and one attention mask per layer type (sliding / full).
 //
-// Usage:
+// Usage, one sequence (dflash_engine below is this loop; llama-server's slots run it per slot):
 //   dflash_draft * draft = dflash_draft_load("draft.gguf", target_model, dflash_draft_default_params());
-//   dflash_cache * cache = dflash_cache_init(draft, cross_ctx, full_attention);
-//   dflash_cache_append(draft, cache, features, positions, n_rows);          // once per committed row
-//   dflash_draft_step(draft, cache, block_tokens, start_pos, logits, tokens); // one proposal
+//   dflash_capture * capture = dflash_capture_init(target_ctx, draft);
+//   dflash_seq * seq = dflash_seq_init(draft, target_ctx, cross_ctx, false, seq_id);
+//   per step: dflash_seq_draft(seq, token, pos, n, drafts); verify them in one llama_decode
+//   (dflash_capture_begin before it, dflash_capture_check after), then dflash_seq_commit the
+//   rows of the tokens kept.
 // Failures return NULL or a negative value; dflash_last_error() says why.
 
 #pragma once
 
 #include "llama.h"
 
-#include <cstddef>
-#include <cstdint>
+// Symbols the shared library exports (DFLASH_SHARED: built or used as one; DFLASH_BUILD: built).
+#if defined(DFLASH_SHARED) && defined(_WIN32) && !defined(__MINGW32__)
+#    define DFLASH_API __declspec(dllimport)
+#    ifdef DFLASH_BUILD
+#        undef DFLASH_API
+#        define DFLASH_API __declspec(dllexport)
+#    endif
+#elif defined(DFLASH_SHARED)
+#    define DFLASH_API __attribute__((visibility("default")))
+#else
+#    define DFLASH_API
+#endif
 
-struct dflash_draft;  // weights and hyper-parameters, bound to one target model
-struct dflash_cache;  // the cross-context: per draft layer, projected K/V of context rows
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct dflash_draft dflash_draft;  // weights and hyper-parameters, bound to one target model
+typedef struct dflash_cache dflash_cache;  // the cross-context: per draft layer, projected K/V of context rows
 
 // The reason for the last failure on this thread ("" if none).
-LLAMA_API const char * dflash_last_error(void);
+DFLASH_API const char * dflash_last_error(void);
 // Whether the caller's arguments caused it (an empty prompt, a bad n_max, a malformed IKDFLASH_COSTS),
 // rather than the run (a failed decode or capture).
-LLAMA_API bool dflash_last_error_is_argument(void);
+DFLASH_API bool dflash_last_error_is_argument(void);
 
+typedef struct dflash_draft_params dflash_draft_params;
 struct dflash_draft_params {
     int32_t n_threads;     // CPU threads for the parts that run on the CPU
     // Where the draft (weights, cross-contexts, compute) lives. The draft is small, so it is placed
@@ -37,37 +59,37 @@ struct dflash_draft_params {
     int32_t n_gpu_layers;
 };
 
-LLAMA_API dflash_draft_params dflash_draft_default_params(void);
+DFLASH_API dflash_draft_params dflash_draft_default_params(void);
 
 // Check a GGUF file's header against the file before ggml parses it: counts, lengths, value types,
 // tensor ranks, dimensions, types and extents. 0, or -1 with dflash_last_error() saying what is
 // wrong. dflash_draft_load runs it; callers loading other GGUF files from untrusted sources can too.
-LLAMA_API int dflash_gguf_check(const char * path);
+DFLASH_API int dflash_gguf_check(const char * path);
 
 // Load a draft GGUF (ik_llama.cpp's "dflash-draft" or upstream llama.cpp's "dflash") and check
 // it against the target: vocabulary, mask token, target layer ids, feature width, embedding width.
-LLAMA_API dflash_draft * dflash_draft_load(const char * path, const llama_model * target, dflash_draft_params params);
-LLAMA_API void dflash_draft_free(dflash_draft * draft);
+DFLASH_API dflash_draft * dflash_draft_load(const char * path, const struct llama_model * target, dflash_draft_params params);
+DFLASH_API void dflash_draft_free(dflash_draft * draft);
 // The backend holding the draft: "CPU", "CUDA0", ...
-LLAMA_API const char * dflash_draft_device(const dflash_draft * draft);
+DFLASH_API const char * dflash_draft_device(const dflash_draft * draft);
 
 // Hyper-parameters.
-LLAMA_API int  dflash_draft_block_size(const dflash_draft * draft);
-LLAMA_API int  dflash_draft_mask_token(const dflash_draft * draft);
-LLAMA_API int  dflash_draft_n_layer(const dflash_draft * draft);
-LLAMA_API int  dflash_draft_sliding_window(const dflash_draft * draft);            // 0 = none
-LLAMA_API bool dflash_draft_layer_is_sliding(const dflash_draft * draft, int il);
-LLAMA_API bool dflash_draft_layer_is_causal(const dflash_draft * draft, int il);
-LLAMA_API int  dflash_draft_n_target_layers(const dflash_draft * draft);
-LLAMA_API int  dflash_draft_target_layer_id(const dflash_draft * draft, int i);
-LLAMA_API int  dflash_draft_n_target_features(const dflash_draft * draft);
-LLAMA_API const char * dflash_draft_format(const dflash_draft * draft);            // "dflash-draft" | "dflash"
+DFLASH_API int  dflash_draft_block_size(const dflash_draft * draft);
+DFLASH_API int  dflash_draft_mask_token(const dflash_draft * draft);
+DFLASH_API int  dflash_draft_n_layer(const dflash_draft * draft);
+DFLASH_API int  dflash_draft_sliding_window(const dflash_draft * draft);            // 0 = none
+DFLASH_API bool dflash_draft_layer_is_sliding(const dflash_draft * draft, int il);
+DFLASH_API bool dflash_draft_layer_is_causal(const dflash_draft * draft, int il);
+DFLASH_API int  dflash_draft_n_target_layers(const dflash_draft * draft);
+DFLASH_API int  dflash_draft_target_layer_id(const dflash_draft * draft, int i);
+DFLASH_API int  dflash_draft_n_target_features(const dflash_draft * draft);
+DFLASH_API const char * dflash_draft_format(const dflash_draft * draft);            // "dflash-draft" | "dflash"
 // The ids the draft's head scores: a subset the draft was trained on (dflash.head_token_ids), whose
 // rows of the output matrix are all a step reads, or the whole vocabulary.
-LLAMA_API int  dflash_draft_n_head_tokens(const dflash_draft * draft);
+DFLASH_API int  dflash_draft_n_head_tokens(const dflash_draft * draft);
 // A DFlash2 draft's settings into out: conv_kernel_size, conv_group_size, selector_rank,
 // selector_top_k. false (out untouched) for a DFlash1 draft.
-LLAMA_API bool dflash_draft_dflash2_settings(const dflash_draft * draft, int32_t out[4]);
+DFLASH_API bool dflash_draft_dflash2_settings(const dflash_draft * draft, int32_t out[4]);
 
 // Cross-context for one sequence. Full-attention layers keep the newest cross_ctx rows; sliding
 // layers never keep more than their window needs (window - 1 rows), so their memory and attention
@@ -78,87 +100,62 @@ LLAMA_API bool dflash_draft_dflash2_settings(const dflash_draft * draft, int32_t
 // truncation, a shift or a restored state, the layers are rebuilt from it exactly, so a sliding
 // layer never loses rows its window still covers.
 // The cache belongs to that draft: appends and steps take the same one.
-LLAMA_API dflash_cache * dflash_cache_init(dflash_draft * draft, int cross_ctx, bool full_attention);
-LLAMA_API void   dflash_cache_free(dflash_cache * cache);
-LLAMA_API void   dflash_cache_clear(dflash_cache * cache);
+DFLASH_API dflash_cache * dflash_cache_init(dflash_draft * draft, int cross_ctx, bool full_attention);
+DFLASH_API void   dflash_cache_free(dflash_cache * cache);
+DFLASH_API void   dflash_cache_clear(dflash_cache * cache);
 // Drop the rows at positions >= pos (the target rolled back or reuses a cached prompt prefix).
-LLAMA_API void   dflash_cache_truncate(dflash_cache * cache, int32_t pos);
+DFLASH_API void   dflash_cache_truncate(dflash_cache * cache, int32_t pos);
 // The target's context shift: drop the rows at positions [p0, p1) and move those at >= p1 by
 // delta (p1 + delta >= p0 when delta < 0). Returns 0 on success.
-LLAMA_API int    dflash_cache_shift(dflash_cache * cache, int32_t p0, int32_t p1, int32_t delta);
+DFLASH_API int    dflash_cache_shift(dflash_cache * cache, int32_t p0, int32_t p1, int32_t delta);
 // The cache's state as bytes (the rows and their positions), to save beside the target's own
 // state and put back later into a cache of the same draft. get returns the bytes written (0 if
 // size is too small); set returns 0 on success. size and get project the rows an append left
 // pending first (0 if that fails, with dflash_last_error).
-LLAMA_API size_t dflash_cache_state_size(dflash_cache * cache);
-LLAMA_API size_t dflash_cache_state_get(dflash_cache * cache, uint8_t * dst, size_t size);
-LLAMA_API int    dflash_cache_state_set(dflash_cache * cache, const uint8_t * src, size_t size);
-LLAMA_API int    dflash_cache_capacity(const dflash_cache * cache, int il);  // rows kept by layer il
-LLAMA_API int    dflash_cache_n_rows(const dflash_cache * cache, int il);    // rows held now
-LLAMA_API size_t dflash_cache_size_bytes(const dflash_cache * cache);       // the layers' keys/values
+DFLASH_API size_t dflash_cache_state_size(dflash_cache * cache);
+DFLASH_API size_t dflash_cache_state_get(dflash_cache * cache, uint8_t * dst, size_t size);
+DFLASH_API int    dflash_cache_state_set(dflash_cache * cache, const uint8_t * src, size_t size);
 
-// Append context rows: features is n_rows x n_target_features floats, row-major, each row the
-// concatenation of the target layers in the draft's order; pos are the rows' target positions,
-// increasing. Returns 0 on success. Rows are projected into the layers in batches: when 256 are
-// pending, or at the next draft step, shift or state read, so appending a row at a time is cheap.
-LLAMA_API int dflash_cache_append(dflash_draft * draft, dflash_cache * cache,
-                                  const float * features, const int32_t * pos, int n_rows);
 
-// One draft step on the block [block[0], mask, ..., mask] (block_size tokens, block[0] at
-// start_pos). logits (block_size x n_vocab floats) may be NULL; tokens receives the argmax of
-// block rows 1..block_size-1 (block_size - 1 ids). Returns 0 on success.
-LLAMA_API int dflash_draft_step(dflash_draft * draft, dflash_cache * cache, llama_token first_token,
-                                int32_t start_pos, float * logits, llama_token * tokens);
-// The same step for speculation: tokens receives the argmax of block rows 1..n only (1 <= n <=
-// block_size - 1); the whole block still runs through the layers, but the head only on those rows.
-LLAMA_API int dflash_draft_propose(dflash_draft * draft, dflash_cache * cache, llama_token first_token,
-                                   int32_t start_pos, int n, llama_token * tokens);
 
 // --- pieces of a speculative loop ---------------------------------------------------------------
 // What a decoding loop with its own batching (llama-server) needs; dflash_engine below is the
 // simple single-sequence loop built from the same pieces.
 
-struct dflash_capture;  // the draft's target-layer outputs, copied out of every target pass
-struct dflash_seq;      // one sequence's DFlash state: cross-context and recurrent snapshot
+typedef struct dflash_capture dflash_capture;  // the draft's target-layer outputs, copied out of every target pass
+typedef struct dflash_seq dflash_seq;      // one sequence's DFlash state: cross-context and recurrent snapshot
 
 // Taps the context's layer outputs (one capture per context; dflash_capture_free removes it). The
 // captured layers stay whole to the end of each pass: no scheduler split, one sync per ubatch.
-LLAMA_API dflash_capture * dflash_capture_init(llama_context * ctx, const dflash_draft * draft);
-// The same for target layers named directly (no draft yet: training data for a new draft).
-LLAMA_API dflash_capture * dflash_capture_init_layers(llama_context * ctx, const int32_t * layer_ids, int n_layers);
-LLAMA_API void dflash_capture_free(dflash_capture * capture);
+DFLASH_API dflash_capture * dflash_capture_init(struct llama_context * ctx, const dflash_draft * draft);
+DFLASH_API void dflash_capture_free(dflash_capture * capture);
 // Call before each llama_decode. active: capture this pass (forgetting the last pass's rows);
 // not active: skip this pass and keep the last pass's rows.
-LLAMA_API void dflash_capture_begin(dflash_capture * capture, bool active);
-// Rows captured by the last pass (one per batch token, in batch order).
-LLAMA_API int  dflash_capture_n_rows(const dflash_capture * capture);
+DFLASH_API void dflash_capture_begin(dflash_capture * capture, bool active);
 // Call after llama_decode: 0 when the pass captured n_tokens rows of every layer. A failed capture
 // (an output of another type or width) leaves llama_decode's return code at 0: check first.
-LLAMA_API int  dflash_capture_check(const dflash_capture * capture, int n_tokens);
-// Copy the last pass's feature rows (layers concatenated in capture order) into out, which holds
-// n_rows x n_layers x n_embd floats. Returns 0 on success.
-LLAMA_API int  dflash_capture_features(const dflash_capture * capture, float * out, int n_rows);
+DFLASH_API int  dflash_capture_check(const dflash_capture * capture, int n_tokens);
 
 // A sequence seq_id of ctx (the target context whose passes are captured).
-LLAMA_API dflash_seq * dflash_seq_init(dflash_draft * draft, llama_context * ctx, int cross_ctx, bool full_attention,
-                                       llama_seq_id seq_id);
-LLAMA_API void dflash_seq_free(dflash_seq * seq);
+DFLASH_API dflash_seq * dflash_seq_init(dflash_draft * draft, struct llama_context * ctx, int cross_ctx, bool full_attention,
+                                        llama_seq_id seq_id);
+DFLASH_API void dflash_seq_free(dflash_seq * seq);
 // Forget all context rows, or those at positions >= pos (a new request that reuses the first
 // pos tokens of the last one's prompt).
-LLAMA_API void dflash_seq_reset(dflash_seq * seq);
-LLAMA_API void dflash_seq_truncate(dflash_seq * seq, llama_pos pos);
+DFLASH_API void dflash_seq_reset(dflash_seq * seq);
+DFLASH_API void dflash_seq_truncate(dflash_seq * seq, llama_pos pos);
 // The cross-context of the sequence (for dflash_cache_shift and the state functions).
-LLAMA_API dflash_cache * dflash_seq_cache(dflash_seq * seq);
+DFLASH_API dflash_cache * dflash_seq_cache(dflash_seq * seq);
 // Commit rows (indices into the last pass's captured rows) at positions pos0, pos0+1, ...
-LLAMA_API int  dflash_seq_commit(dflash_seq * seq, const dflash_capture * capture, const int32_t * rows, int n_rows,
-                                 llama_pos pos0);
+DFLASH_API int  dflash_seq_commit(dflash_seq * seq, const dflash_capture * capture, const int32_t * rows, int n_rows,
+                                  llama_pos pos0);
 // Propose n tokens (n <= block_size - 1) after token t at position pos. Returns 0 on success.
-LLAMA_API int  dflash_seq_draft(dflash_seq * seq, llama_token t, llama_pos pos, int n, llama_token * out);
+DFLASH_API int  dflash_seq_draft(dflash_seq * seq, llama_token t, llama_pos pos, int n, llama_token * out);
 // Hybrid targets: save this sequence's recurrent state before a verification pass, and put it
 // back after a rejection (then replay the accepted tokens). The copy stays in the state's own
 // memory (the GPU's when offloaded). No-ops for other targets.
-LLAMA_API void dflash_seq_save_state(dflash_seq * seq);
-LLAMA_API void dflash_seq_restore_state(const dflash_seq * seq);
+DFLASH_API void dflash_seq_save_state(dflash_seq * seq);
+DFLASH_API void dflash_seq_restore_state(const dflash_seq * seq);
 
 // --- adaptive block length ---------------------------------------------------------------------
 // How many draft tokens a step verifies. A step that verifies k drafts costs t_draft + t_pass(k+1)
@@ -195,21 +192,19 @@ LLAMA_API void dflash_seq_restore_state(const dflash_seq * seq);
 
 #define DFLASH_MAX_VERIFY 63  // the most drafts a step can verify (a block of 64)
 
-struct dflash_costs;  // measured costs of a target context's passes by row count, and of a draft step
-struct dflash_adapt;  // one sequence's controller
+typedef struct dflash_costs dflash_costs;  // measured costs of a target context's passes by row count, and of a draft step
+typedef struct dflash_adapt dflash_adapt;  // one sequence's controller
 
 // Costs of passes of 1..max_rows rows (a server: every slot's block), unknown until set, calibrated
 // or observed.
-LLAMA_API dflash_costs * dflash_costs_init(int max_rows);
-LLAMA_API void   dflash_costs_free(dflash_costs * costs);
+DFLASH_API dflash_costs * dflash_costs_init(int max_rows);
+DFLASH_API void   dflash_costs_free(dflash_costs * costs);
 // Time passes of 1..max_rows rows on ctx (sequence 0, a few rounds; the fastest of each counts;
 // past 16 rows every fourth count, those between interpolated).
 // The context's cache is cleared before and after: call it before the context serves sequences.
 // Tests: IKDFLASH_COSTS="draft_ms:pass_ms_1,pass_ms_2,..." sets fixed costs instead (no timing,
 // observations ignored), so the controller's choices are the same on any machine.
-LLAMA_API int    dflash_costs_calibrate(dflash_costs * costs, llama_context * ctx);
-// pass_ms: max_rows times, for 1..max_rows rows (a known machine; tests). Returns 0 on success.
-LLAMA_API int    dflash_costs_set_passes(dflash_costs * costs, const double * pass_ms);
+DFLASH_API int    dflash_costs_calibrate(dflash_costs * costs, struct llama_context * ctx);
 // Observed times (a pass over n_rows rows of any sequences; a draft step proposing n_tokens),
 // folded into the estimates. A pass counts only after one of as many rows (the steady cost of a
 // k: the target reuses its graph for a pass of the same shape), one after another shape for what
@@ -217,18 +212,20 @@ LLAMA_API int    dflash_costs_set_passes(dflash_costs * costs, const double * pa
 // A draft step after more than one pass (a probe, the first drafting step after plain ones or a
 // prompt) first projects the context rows they added: it counts for the probes' cost, not as the
 // cost of a drafting step of n_tokens.
-LLAMA_API void   dflash_costs_observe_pass(dflash_costs * costs, int n_rows, double ms);
-LLAMA_API void   dflash_costs_observe_draft(dflash_costs * costs, int n_tokens, double ms);
-LLAMA_API double dflash_costs_pass_ms(const dflash_costs * costs, int n_rows);     // 0 while unknown
+DFLASH_API void   dflash_costs_observe_pass(dflash_costs * costs, int n_rows, double ms);
+DFLASH_API void   dflash_costs_observe_draft(dflash_costs * costs, int n_tokens, double ms);
+DFLASH_API double dflash_costs_pass_ms(const dflash_costs * costs, int n_rows);     // 0 while unknown
 // A count not yet observed costs what the nearest larger one observed does, else the nearest smaller.
-LLAMA_API double dflash_costs_draft_ms(const dflash_costs * costs, int n_tokens);  // 0 while unknown
-LLAMA_API int    dflash_costs_max_rows(const dflash_costs * costs);
+DFLASH_API double dflash_costs_draft_ms(const dflash_costs * costs, int n_tokens);  // 0 while unknown
+DFLASH_API int    dflash_costs_max_rows(const dflash_costs * costs);
 
+typedef struct dflash_adapt_plan dflash_adapt_plan;
 struct dflash_adapt_plan {
     int32_t n_draft;   // tokens the draft proposes this step (0: no draft step)
     int32_t n_verify;  // of which the first n_verify are verified (0: a one-token decode)
 };
 
+typedef struct dflash_adapt_stats dflash_adapt_stats;
 struct dflash_adapt_stats {
     int64_t n_steps_at[DFLASH_MAX_VERIFY + 1];  // steps by the drafts they verified; [0] one-token decodes
     int64_t n_probes;                           // draft steps whose tokens were only compared
@@ -237,12 +234,12 @@ struct dflash_adapt_stats {
 
 // costs NULL: a fixed block length (every step verifies n_limit drafts, as without a controller).
 // The controller reads costs (shared by the context's sequences) but never changes them.
-LLAMA_API dflash_adapt * dflash_adapt_init(const dflash_costs * costs, int n_max);
-LLAMA_API void dflash_adapt_free(dflash_adapt * adapt);
+DFLASH_API dflash_adapt * dflash_adapt_init(const dflash_costs * costs, int n_max);
+DFLASH_API void dflash_adapt_free(dflash_adapt * adapt);
 // A new request on the sequence: pending proposals and statistics are dropped, the acceptance
 // estimates kept at half weight, the probe interval kept.
-LLAMA_API void dflash_adapt_reset(dflash_adapt * adapt);
-LLAMA_API struct dflash_adapt_plan dflash_adapt_plan_step(dflash_adapt * adapt, int n_limit);
+DFLASH_API void dflash_adapt_reset(dflash_adapt * adapt);
+DFLASH_API struct dflash_adapt_plan dflash_adapt_plan_step(dflash_adapt * adapt, int n_limit);
 
 // Several sequences in one pass (a server's slots): a step's time is the pass over all their rows
 // plus every draft step before it, and it commits all their tokens. A sequence planned with
@@ -250,22 +247,22 @@ LLAMA_API struct dflash_adapt_plan dflash_adapt_plan_step(dflash_adapt * adapt, 
 // the others' parts as they last planned them: where its draft rows cost the shared pass more
 // than they commit (many slots on a CPU), it decodes one token, and it drafts again as slots free
 // up. Alone it plans as dflash_adapt_plan_step does.
-struct dflash_load;
-LLAMA_API dflash_load * dflash_load_init(int n_seq);
-LLAMA_API void dflash_load_free(dflash_load * load);
+typedef struct dflash_load dflash_load;
+DFLASH_API dflash_load * dflash_load_init(int n_seq);
+DFLASH_API void dflash_load_free(dflash_load * load);
 // A sequence's part of the coming pass: its rows (0: not in it), the tokens it commits in
 // expectation, and its draft step's time. For sequences that plan without a controller; a plan
 // made with dflash_adapt_plan_step_in records its own.
-LLAMA_API void dflash_load_set(dflash_load * load, int seq, int n_rows, double n_tokens, double draft_ms);
-LLAMA_API struct dflash_adapt_plan dflash_adapt_plan_step_in(dflash_adapt * adapt, int n_limit, dflash_load * load,
-                                                             int seq);
+DFLASH_API void dflash_load_set(dflash_load * load, int seq, int n_rows, double n_tokens, double draft_ms);
+DFLASH_API struct dflash_adapt_plan dflash_adapt_plan_step_in(dflash_adapt * adapt, int n_limit, dflash_load * load,
+                                                              int seq);
 // The tokens the draft proposed for the positions after the current token.
-LLAMA_API void dflash_adapt_proposed(dflash_adapt * adapt, const llama_token * tokens, int n);
+DFLASH_API void dflash_adapt_proposed(dflash_adapt * adapt, const llama_token * tokens, int n);
 // The tokens the step committed after the current token, in order, and how many drafts it verified.
-LLAMA_API void dflash_adapt_committed(dflash_adapt * adapt, int n_verified, const llama_token * tokens, int n);
+DFLASH_API void dflash_adapt_committed(dflash_adapt * adapt, int n_verified, const llama_token * tokens, int n);
 // The estimate of p_j, j = 1..n_max.
-LLAMA_API float dflash_adapt_acceptance(const dflash_adapt * adapt, int j);
-LLAMA_API struct dflash_adapt_stats dflash_adapt_get_stats(const dflash_adapt * adapt);
+DFLASH_API float dflash_adapt_acceptance(const dflash_adapt * adapt, int j);
+DFLASH_API struct dflash_adapt_stats dflash_adapt_get_stats(const dflash_adapt * adapt);
 
 // --- the speculative engine ---------------------------------------------------------------------
 // One sequence (seq 0) of a target context, drafted by a DFlash draft: draft a block, verify it in
@@ -274,13 +271,15 @@ LLAMA_API struct dflash_adapt_stats dflash_adapt_get_stats(const dflash_adapt * 
 // feed the committed rows' features to the draft. With n_max = 0 it is plain target decoding, so
 // speculative and plain generation run through the same loop.
 
-struct dflash_engine;
+typedef struct dflash_engine dflash_engine;
 
+typedef struct dflash_engine_params dflash_engine_params;
 struct dflash_engine_params {
     int32_t cross_ctx;       // context rows kept by full-attention draft layers
     bool    full_attention;  // run every draft layer as full attention (windows ignored)
 };
 
+typedef struct dflash_stats dflash_stats;
 struct dflash_stats {
     int64_t n_prompt;        // prompt tokens processed
     int64_t n_generated;     // tokens returned
@@ -296,12 +295,12 @@ struct dflash_stats {
 };
 
 // Why a generation ended.
-enum dflash_end_reason {
+typedef enum dflash_end_reason {
     DFLASH_END_LENGTH  = 0,  // max_tokens returned
     DFLASH_END_EOG     = 1,  // the target produced an end-of-generation token
     DFLASH_END_CONTEXT = 2,  // the context is full
     DFLASH_END_CALLER  = 3,  // the commit callback asked to stop
-};
+} dflash_end_reason;
 
 // Called during dflash_engine_generate with the tokens each step commits, in order (the first
 // call holds the token of the prompt pass), before the next step starts; returning false ends
@@ -310,13 +309,14 @@ typedef bool (*dflash_commit_callback)(const llama_token * tokens, int n_tokens,
 
 // The engine holds the target context's capture (dflash_capture_init) while it lives.
 // draft may be NULL: the engine then only generates with the target.
-LLAMA_API dflash_engine * dflash_engine_init(llama_context * target, dflash_draft * draft, dflash_engine_params params);
-LLAMA_API void dflash_engine_free(dflash_engine * engine);
+DFLASH_API dflash_engine * dflash_engine_init(struct llama_context * target, dflash_draft * draft, dflash_engine_params params);
+DFLASH_API void dflash_engine_free(dflash_engine * engine);
 
 // How the target picks each token: one chain for every position, drafted or not, so a draft token
 // is kept exactly when the target alone would have picked it there. Order (as llama.cpp's common
 // sampler): repetition penalty, then greedy at temperature 0, else top-k, top-p, min-p (on the
 // probabilities at temperature 1), temperature, and a draw of the generator seeded with seed.
+typedef struct dflash_sampling dflash_sampling;
 struct dflash_sampling {
     float    temperature;     // 0: greedy
     uint32_t seed;
@@ -329,10 +329,11 @@ struct dflash_sampling {
 };
 
 // Greedy, nothing filtered, no penalty, no log-probabilities.
-LLAMA_API struct dflash_sampling dflash_sampling_default(void);
+DFLASH_API struct dflash_sampling dflash_sampling_default(void);
 
 // Per returned token (room for max_tokens; top_* for max_tokens * n_probs): its log-probability
 // under the target (log-softmax of the raw logits), and the n_probs most likely tokens with theirs.
+typedef struct dflash_logprobs dflash_logprobs;
 struct dflash_logprobs {
     float *       token;
     llama_token * top_ids;
@@ -347,19 +348,20 @@ struct dflash_logprobs {
 // sampling->n_probs > 0) what dflash_logprobs says. adaptive: each step verifies as many of up
 // to n_max drafts as pay (the adaptive block length above; the target's passes are timed at the
 // first adaptive call); false: every step verifies n_max (fewer near the end or the context's).
-LLAMA_API int dflash_engine_generate(dflash_engine * engine, const llama_token * prompt, int n_prompt, int max_tokens,
-                                     int n_max, bool adaptive, const struct dflash_sampling * sampling, llama_token * out,
-                                     dflash_stats * stats, int32_t * step_lengths, struct dflash_logprobs * logprobs);
+DFLASH_API int dflash_engine_generate(dflash_engine * engine, const llama_token * prompt, int n_prompt, int max_tokens,
+                                      int n_max, bool adaptive, const struct dflash_sampling * sampling, llama_token * out,
+                                      dflash_stats * stats, int32_t * step_lengths, struct dflash_logprobs * logprobs);
 
 // The callback the engine's next generations report their tokens to (NULL: none).
-LLAMA_API void dflash_engine_set_commit_callback(dflash_engine * engine, dflash_commit_callback callback,
-                                                 void * user_data);
+DFLASH_API void dflash_engine_set_commit_callback(dflash_engine * engine, dflash_commit_callback callback,
+                                                  void * user_data);
 
 // --- command line --------------------------------------------------------------------------------
 
 // What `--spec-type dflash:k=v,...` sets. Keys, as ik_llama.cpp spells them: n_max, n_min,
 // p_min, cross_ctx (alias dflash_cross_ctx); ours: full_attention, log_drafts, adaptive (0/1),
 // min_accept. cross_ctx 0 means "follow the context size".
+typedef struct dflash_spec_options dflash_spec_options;
 struct dflash_spec_options {
     int32_t n_max;
     int32_t n_min;
@@ -373,7 +375,7 @@ struct dflash_spec_options {
 
 // Parse the part after "dflash:" into options (fields not named keep their values). Returns 0,
 // or -1 with dflash_last_error() naming the key and the problem.
-LLAMA_API int dflash_parse_spec_options(const char * text, dflash_spec_options * options);
+DFLASH_API int dflash_parse_spec_options(const char * text, dflash_spec_options * options);
 
 // --- fault injection (tests) ---------------------------------------------------------------------
 
@@ -381,4 +383,8 @@ LLAMA_API int dflash_parse_spec_options(const char * text, dflash_spec_options *
 // call (from 1) for that point; every other call, and every call without the variable, is false.
 // Points: "capture" (a captured layer output is refused, as one of the wrong type or width is);
 // "decode_kv_full" (llama-server's decode finds no room in the KV cache).
-LLAMA_API bool dflash_fault(const char * point);
+DFLASH_API bool dflash_fault(const char * point);
+
+#ifdef __cplusplus
+}
+#endif

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from ikdflash import _core
 
@@ -124,6 +124,13 @@ class Model:
             raise ValueError(f"temperatures must be a non-empty list of values >= 0, got {list(temperatures)}")
         if not prompts:
             return []
-        return _core.generate_answers(self._native, [list(p) for p in prompts], max_tokens,
-                                      temperatures=[float(t) for t in temperatures], seed=seed,
-                                      n_parallel=min(n_parallel, len(prompts)), n_threads=self._n_threads)
+        return _core.training.generate_answers(self._native, [list(p) for p in prompts], max_tokens,
+                                               temperatures=[float(t) for t in temperatures], seed=seed,
+                                               n_parallel=min(n_parallel, len(prompts)), n_threads=self._n_threads)
+
+    def layer_features(self, tokens: Sequence[int], layer_ids: Sequence[int], top_k: int = 0) -> tuple[Any, ...]:
+        """The target's outputs at layer_ids and its greedy next token at every position of tokens
+        (one pass, through the capture DFlash uses): (features, greedy); top_k > 0 adds each
+        position's top_k next-token ids and logits less the largest: (features, greedy, top_ids,
+        top_logits). A draft's training data."""
+        return _core.training.layer_features(self._native, list(tokens), list(layer_ids), top_k)

@@ -1,6 +1,6 @@
 """Training data for a draft: token sequences, the target's features and its greedy next tokens.
 
-Every row comes from the fork itself (`_core.Model.layer_features`, the capture the speculative loop
+Every row comes from the fork itself (`Model.layer_features`, the capture the speculative loop
 uses), so the draft learns the features it will be given, or from the same weights in PyTorch
 (`refresh --capture torch`, within the fork's rounding). Two kinds of sequence:
 
@@ -280,7 +280,7 @@ def build(target: str | os.PathLike[str], conversations: Iterable[Conversation],
         for index, tokens, trainable in sequences:
             meta["conversations_done"] = index + 1
             if sum(trainable) >= 2:
-                captured = model._native.layer_features(tokens, list(layer_ids), TOP_K)
+                captured = model.layer_features(tokens, layer_ids, TOP_K)
                 writer.append(tokens, np.array(trainable, dtype=np.uint8), captured)
                 writer.tick(max_rows, progress)
             if meta["n_rows"] >= max_rows:
@@ -385,7 +385,7 @@ class _ForkCapture:
 
     def capture(self, sequences: Sequence[Sequence[int]], layer_ids: Sequence[int],
                 top_k: int) -> list[tuple[np.ndarray, ...]]:
-        return [self.model._native.layer_features(list(s), list(layer_ids), top_k) for s in sequences]
+        return [self.model.layer_features(s, layer_ids, top_k) for s in sequences]
 
     def close(self) -> None:
         self.model.close()

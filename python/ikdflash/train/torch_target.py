@@ -36,7 +36,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 class TorchTarget:
     """capture(sequences, layer_ids, top_k) returns, per sequence, what the fork's
-    Model._native.layer_features returns for it; generate(prompts, ...) answers as the fork's
+    Model.layer_features returns for it; generate(prompts, ...) answers as the fork's
     Model.generate_many does."""
 
     def __init__(self, path: str | os.PathLike[str], device: str | None = None) -> None:

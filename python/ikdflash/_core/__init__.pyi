@@ -5,6 +5,9 @@ from typing import Any, Callable
 import numpy as np
 import numpy.typing as npt
 
+from . import measure as measure
+from . import training as training
+
 __version__: str
 
 def set_verbose(verbose: bool) -> None:
@@ -16,23 +19,6 @@ def build_info() -> dict[str, Any]:
 def attention_mask(key_positions: list[int], start: int, n_query: int, sliding: bool, causal: bool,
                    window: int, kv_pad: int = 1) -> npt.NDArray[np.float32]:
     """The draft's mask rule: rows = queries padded to 16, 0 = visible, -inf = hidden."""
-
-def time_passes(model: Model, n_rows: list[int], n_context: int, repeats: int) -> list[list[float]]:
-    """For each row count, milliseconds of `repeats` target passes of that many rows (every row's
-    logits kept) after n_context cached tokens; the rows are dropped after each pass, and the
-    counts take turns within each round."""
-def time_pass_ops(model: Model, n_rows: list[int], n_context: int, repeats: int) -> list[list[dict[str, float]]]:
-    """As time_passes, each pass split by operation: per row count, one {operation: ms} per pass.
-    The graph is computed a node at a time, so each node also pays a thread pool's start: compare
-    row counts operation by operation."""
-def memory_read_bandwidth(n_threads: int, mib: int = 1024, repeats: int = 5) -> float:
-    """GB/s read by n_threads threads summing a buffer of `mib` MiB (best of repeats)."""
-def quantize(src: str, dst: str, type: str, n_threads: int = 0) -> None:
-    """Requantize the GGUF at src to dst: Q4_0, Q4_1, Q8_0, Q4_K_M, Q6_K, IQ4_NL or IQ4_XS."""
-def generate_answers(model: Model, prompts: list[list[int]], max_tokens: int, temperatures: list[float] = ...,
-                     seed: int = 0, n_parallel: int = 4, n_threads: int = 0) -> list[list[int]]:
-    """The target's answers to prompts, n_parallel decoded side by side in a context of their own
-    (prompt i at temperatures[i % len], seed + i; each stops before an end-of-generation token)."""
 
 def repack_keeps_results(path: str) -> bool: ...
 
@@ -46,14 +32,6 @@ class Model:
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
     def detokenize(self, tokens: list[int], render_special: bool = False) -> bytes: ...
     def generate_greedy(self, prompt: list[int], max_tokens: int, stop_at_eog: bool = True) -> list[int]: ...
-    def layer_features(self, tokens: list[int], layer_ids: list[int], top_k: int = 0
-                       ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int32], npt.NDArray[np.int32],
-                                  npt.NDArray[np.float32]]:
-        """One pass over tokens (KV cache cleared): the outputs of the target layers layer_ids,
-        concatenated per position ([n, len(layer_ids) * n_embd]), the greedy next token at each
-        position ([n]), and with top_k > 0 each position's top_k next-token ids and their logits
-        less the largest ([n, top_k] each; [n, 0] without). The last layer is refused (the fork
-        keeps only its logit rows). No layer ids: nothing is captured and the features are [n, 0]."""
     def meta(self, key: str) -> str: ...
     @property
     def path(self) -> str: ...
