@@ -24,6 +24,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from benchmarks.provenance import provenance
 from ikdflash.cli.bench import held_out_text
 from ikdflash.chat import chat_template, render
 from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
@@ -108,7 +109,8 @@ def main() -> int:
     print(f"identical answers: {same} of {len(answers['fork'])}")
     if args.json:
         args.json.write_text(json.dumps({"other": str(args.other), "threads": args.threads, "tokens": args.tokens,
-                                         "flags": args.flags, "identical_answers": same, "rows": rows}, indent=2))
+                                         "flags": args.flags, "identical_answers": same, "rows": rows,
+                                         "provenance": provenance(args.threads)}, indent=2))
     return 0
 
 
