@@ -71,7 +71,7 @@ def test_an_always_right_draft_settles_at_n_max():
 
 def test_an_always_right_draft_reaches_n_max_where_one_draft_does_not_pay():
     """A tiny target whose passes cost mostly their overhead (the always-right pair of
-    benchmarks/overhead.py on this CPU: 2 rows 1.81x one row, 5 rows 3.16x, a draft step 0.5x):
+    benchmarks/server/overhead.py on this CPU: 2 rows 1.81x one row, 5 rows 3.16x, a draft step 0.5x):
     one draft never pays, four kept ones do. One-token probes only ever measured position 1, so
     the controller stayed at k = 0 and probed every step (0.66x the target alone)."""
     ctl = BlockController(4, [1.0, 1.81, 2.37, 2.93, 3.16], [0.51, 0.53, 0.57, 0.58])

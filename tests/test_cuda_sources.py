@@ -11,12 +11,14 @@ $CUBLAS_ROOT).
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,10 +53,12 @@ def test_the_series_touches_cuda_sources():
 
 @pytest.fixture(scope="module")
 def cuda_fork(tmp_path_factory):
-    """(the patched base tree, cuda_build_cost's module, cuBLAS's include folder), or a skip."""
+    """(the patched base tree, benchmarks.passes.cuda_build, cuBLAS's include folder), or a skip."""
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc")
-    cost = load("cuda_build_cost", REPO / "benchmarks" / "cuda_build_cost.py")
+    if str(REPO) not in sys.path:  # the benchmarks package, from the repository root
+        sys.path.insert(0, str(REPO))
+    cost = importlib.import_module("benchmarks.passes.cuda_build")
     cublas = cost.find_cublas(os.environ.get("CUBLAS_ROOT"))
     if cublas is None:
         pytest.skip(cost.CUBLAS_HINT)

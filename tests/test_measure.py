@@ -1,4 +1,4 @@
-"""The measurement helpers behind benchmarks/pass_cost.py, on a tiny model: results of the shape
+"""The measurement helpers behind benchmarks/passes/cost.py, on a tiny model: results of the shape
 asked for, bad arguments refused with their reason, and a requantized copy that the fork loads."""
 
 from __future__ import annotations

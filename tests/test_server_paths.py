@@ -5,7 +5,7 @@ slots. Each conversation runs on the target alone and with the draft; the replie
 
 Random drafts accept nothing, so whether the draft kept the right context shows here in the
 server's log for each path, in test_draft.py's exact checks of truncation, shift and state, and
-in the built-in pair's acceptance (benchmarks/server_paths.py)."""
+in the built-in pair's acceptance (benchmarks/server/paths.py)."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ def test_lossless_and_predicting_over_core(pair, chats):
 
 @pytest.mark.slow
 def test_the_shipped_drafts_held_out_chat_tau_stays_at_its_floor(pair):
-    """The evaluation every draft of the built-in pair is judged by (benchmarks/chat_tau.py): 24
+    """The evaluation every draft of the built-in pair is judged by (benchmarks/tau.py): 24
     held-out first user turns under the plain system prompt, 128 tokens, n_max 4 fixed. The shipped
     draft (stage 17, DFlash2) measures 1.86 on an AMD EPYC with AVX-512 VNNI, where stage 12 measures
     1.70 (1.76 on the machine it was made on): the floor is the shipped figure less 0.05, and

@@ -1,4 +1,4 @@
-// Measurements for benchmarks/pass_cost.py: target passes by row count at a given context
+// Measurements for benchmarks/passes/cost.py: target passes by row count at a given context
 // length, split by operation on request, requantized copies of a model, and the machine's
 // memory-read bandwidth, the floor that a one-row pass over weights that do not fit in cache
 // stands beside.

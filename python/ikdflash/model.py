@@ -117,7 +117,7 @@ class Model:
         is decoded at temperatures[i % len(temperatures)] (0: greedy) and, when sampled, with the
         seed seed + i. A pass over a few rows costs little more than one on a CPU, so the target's
         own answers (a draft's training data) cost less; but every row's attention reads every
-        sequence's cache cells, so beyond a few sequences the gain falls (benchmarks/answer_rate.py)."""
+        sequence's cache cells, so beyond a few sequences the gain falls (benchmarks/training/answer_rate.py)."""
         if max_tokens < 1 or n_parallel < 1:
             raise ValueError(f"max_tokens and n_parallel must be at least 1, got {max_tokens}, {n_parallel}")
         if not temperatures or any(t < 0 for t in temperatures):

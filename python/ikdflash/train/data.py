@@ -240,7 +240,7 @@ ANSWER_TEMPERATURES = (0.0, 0.0, 0.0, 0.8)
 # answers decoded side by side (Model.generate_many); prompts are handed out in groups of 4x that.
 # The fork's one KV cache makes every row's attention read every sequence's cells, so the gain
 # peaks early: 1.4-1.6x the rows per core-second of one at a time at 4, less at 8 and beyond
-# (benchmarks/answer_rate.py, SmolLM2-135M on 2 threads).
+# (benchmarks/training/answer_rate.py, SmolLM2-135M on 2 threads).
 N_PARALLEL = 4
 
 

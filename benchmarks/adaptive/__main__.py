@@ -1,0 +1,13 @@
+import sys
+
+from benchmarks import adaptive
+from benchmarks.harness import run_command
+
+COMMANDS = {
+    "run": "workloads",
+    "replay": "replay",
+    "draft-confidence": "draft_confidence",
+    "target-confidence": "target_confidence",
+}
+
+sys.exit(run_command("benchmarks.adaptive", adaptive.__doc__ or "", COMMANDS))

@@ -1,0 +1,197 @@
+"""The adaptive block length replayed on recorded drafts at given costs: the controller against
+every fixed n_max and the target alone, without the machine's noise.
+
+    python -m benchmarks.adaptive replay [--tokens 128] [--workloads useless built-in mixed alternating]
+        [--pass-ms 9.9 11.4 13.5 14.9 17.1] [--draft-ms 1.8 1.9 2.1 2.5] [--json out.json]
+        [--recordings recordings.json]   # recorded once (~3 min), replayed in seconds after
+        [--draft D.gguf]                 # another draft for the built-in target
+
+adaptive.py measures each mode on this machine, where rounds differ by +-5%: too noisy to rank
+modes a few percent apart, or to tell one controller rule from another. Here each request of
+adaptive.py's workloads is recorded once: the target's greedy answer, and the draft's proposals at
+every answer position (teacher-forced on the target's own features, which is what the engine's
+draft reads on the greedy path). The real controller (`_core.BlockController`) is then driven
+through each answer as the engine drives it, and every mode's time is the sum of modelled costs:
+
+    a pass of r rows      --pass-ms[r - 1], plus --switch-ms where the pass before had another
+                          row count (the target rebuilds its graph)
+    a draft step          --draft-ms[n - 1] for n tokens proposed, plus --catch-up-ms for each
+                          context row past 2 added since the draft step before (a probe after a
+                          run of plain steps projects all of them)
+
+The controller sees these times as it sees the engine's (its estimates follow them). Defaults:
+the built-in pair on this project's 2-core machine, 2026-12-02 (the engine's calibration and
+running estimates at ~200 cached tokens; the passes of 2-5 rows since patch 0041, from
+`_core.measure.time_passes` at 200 cached tokens, medians of 3 rounds: 1.15x, 1.36x, 1.50x, 1.73x one
+row). Quoted: tokens per millisecond of each mode as a ratio to the target alone, per workload and
+per request, the adaptive mode's steps by k, and an oracle that knows each step's outcome (the
+bound for any block length rule with these drafts at these costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ikdflash import Engine
+from ikdflash._core import BlockController
+from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
+
+from benchmarks.adaptive.workloads import WORKLOAD_QUESTIONS, chat_prompts, scrambled_draft
+from benchmarks.adaptive.draft_confidence import draft_steps
+from benchmarks.harness import write_result
+
+N_MAX = 4
+
+
+@dataclass
+class Recording:
+    """One request: the target's answer after the prompt, and at each answer position s the
+    draft's N_MAX proposals for positions s + 1.. (given answer[s] as the block's first token)."""
+    n_prompt: int
+    answer: list[int]
+    proposals: list[list[int]]
+
+
+def record(target: Path, draft_path: Path, prompts: list[list[int]], tokens: int) -> list[Recording]:
+    recordings = [Recording(len(p), [], []) for p in prompts]
+    for i, seq, _, _, best in draft_steps(target, draft_path, prompts, tokens):
+        recordings[i].answer = seq[len(prompts[i]):]
+        recordings[i].proposals.append(list(best[:N_MAX]))
+    return recordings
+
+
+@dataclass
+class Costs:
+    pass_ms: list[float]  # rows 1..N_MAX + 1
+    draft_ms: list[float]  # tokens 1..N_MAX
+    switch_ms: float
+    catch_up_ms: float  # a context row the draft projects past the 2 of a step in a run of them
+
+
+def replay(rec: Recording, ctl: BlockController, costs: Costs, n_max: int) -> tuple[float, int, list[int]]:
+    """Milliseconds and tokens of one request with ctl choosing (n_max 0: the target alone), as
+    the engine's loop runs it: the answer's first token comes from the prompt's pass; each step
+    then proposes and verifies after the last token committed. Returns (ms, tokens, steps by k)."""
+    answer, ms, by_k = rec.answer, 0.0, [0] * (N_MAX + 1)
+    s, last_rows, since_draft = 0, 0, rec.n_prompt
+    ctl.reset()
+    while s < len(answer) - 1:
+        n_limit = min(n_max, len(answer) - 2 - s)  # room for the target's own token
+        n_draft, n_verify = ctl.plan(n_limit) if n_max else (0, 0)
+        proposal = rec.proposals[s][:n_draft]
+        if n_draft:
+            t = costs.draft_ms[n_draft - 1] + costs.catch_up_ms * max(0, since_draft - 2)
+            ctl.observe_draft(n_draft, t)
+            ms += t
+            since_draft = 0
+            ctl.proposed(proposal)
+        acc = 0
+        while acc < n_verify and proposal[acc] == answer[s + 1 + acc]:
+            acc += 1
+        rows = n_verify + 1
+        t = costs.pass_ms[rows - 1] + (costs.switch_ms if rows != last_rows else 0.0)
+        ctl.observe_pass(rows, t)
+        ms += t
+        last_rows, since_draft = rows, since_draft + acc + 1
+        ctl.committed(n_verify, answer[s + 1:s + 2 + acc])
+        by_k[n_verify] += 1
+        s += acc + 1
+    return ms, len(answer) - 1, by_k
+
+
+def oracle(rec: Recording, costs: Costs, n_max: int) -> tuple[float, int]:
+    """The bound for any block length rule with these drafts and costs: every step knows how many
+    of the draft's tokens the target will keep; it drafts n_max and verifies exactly those when
+    there are any, and decodes one token without drafting otherwise (graph switches and the
+    draft's catch-up charged as in replay). Returns (ms, tokens)."""
+    answer, ms, s, last_rows, since_draft = rec.answer, 0.0, 0, 0, rec.n_prompt
+    while s < len(answer) - 1:
+        n_limit = min(n_max, len(answer) - 2 - s)
+        kept = 0
+        while kept < n_limit and rec.proposals[s][kept] == answer[s + 1 + kept]:
+            kept += 1
+        if kept:
+            ms += costs.draft_ms[n_limit - 1] + costs.catch_up_ms * max(0, since_draft - 2)
+            since_draft = 0
+        rows = kept + 1
+        ms += costs.pass_ms[rows - 1] + (costs.switch_ms if rows != last_rows else 0.0)
+        last_rows, since_draft, s = rows, since_draft + rows, s + rows
+    return ms, len(answer) - 1
+
+
+def run_workload(recordings: list[Recording], costs: Costs) -> dict:
+    controllers = {"alone": (BlockController(N_MAX, costs.pass_ms, costs.draft_ms, adaptive=False), 0),
+                   **{f"fixed {k}": (BlockController(N_MAX, costs.pass_ms, costs.draft_ms, adaptive=False), k)
+                      for k in range(1, N_MAX + 1)},
+                   "adaptive": (BlockController(N_MAX, costs.pass_ms, costs.draft_ms), N_MAX)}
+    per_request, total, by_k = [], {m: [0.0, 0] for m in controllers}, [0] * (N_MAX + 1)
+    for rec in recordings:
+        rates = {}
+        for mode, (ctl, n_max) in controllers.items():
+            ms, tokens, steps = replay(rec, ctl, costs, n_max)
+            total[mode][0] += ms
+            total[mode][1] += tokens
+            rates[mode] = tokens / ms
+            if mode == "adaptive":
+                by_k = [a + b for a, b in zip(by_k, steps, strict=True)]
+        ms, tokens = oracle(rec, costs, N_MAX)
+        total.setdefault("oracle", [0.0, 0])
+        total["oracle"][0] += ms
+        total["oracle"][1] += tokens
+        rates["oracle"] = tokens / ms
+        per_request.append({m: rates[m] / rates["alone"] for m in rates})
+    speed = {m: tokens / ms for m, (ms, tokens) in total.items()}
+    ratio = {m: speed[m] / speed["alone"] for m in speed}
+    return {"ratio_to_alone": ratio, "per_request": per_request, "adaptive_steps_by_verified": by_k,
+            "adaptive_to_best_fixed": ratio["adaptive"] / max(v for m, v in ratio.items() if m not in ("adaptive", "oracle"))}
+
+
+def record_workloads(names: list[str], tokens: int, draft: Path | None) -> dict[str, list[Recording]]:
+    target, shipped = resolve_pair(DEFAULT_PAIR)
+    draft = draft or shipped
+    with Engine(target, n_ctx=256, n_threads=1) as engine:  # the chat template, for the prompts
+        prompts = {name: chat_prompts(engine, WORKLOAD_QUESTIONS[name]) for name in names}
+    recordings = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            d = scrambled_draft(draft, Path(tmp) / "scrambled.gguf") if name == "useless" else draft
+            recordings[name] = record(target, d, prompts[name], tokens)
+            print(f"  {name}: recorded", file=sys.stderr)
+    return recordings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOAD_QUESTIONS), choices=list(WORKLOAD_QUESTIONS))
+    parser.add_argument("--pass-ms", type=float, nargs=N_MAX + 1, default=[9.9, 11.4, 13.5, 14.9, 17.1])
+    parser.add_argument("--draft-ms", type=float, nargs=N_MAX, default=[1.8, 1.9, 2.1, 2.5])
+    parser.add_argument("--switch-ms", type=float, default=0.8)
+    parser.add_argument("--catch-up-ms", type=float, default=0.043)
+    parser.add_argument("--draft", type=Path, help="another draft for the built-in target (default: the shipped one)")
+    parser.add_argument("--recordings", type=Path, help="a file of recordings: read if it exists, else written")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    costs = Costs(args.pass_ms, args.draft_ms, args.switch_ms, args.catch_up_ms)
+    if args.recordings and args.recordings.exists():
+        saved = json.loads(args.recordings.read_text())
+        recordings = {name: [Recording(**r) for r in saved[name]] for name in args.workloads}
+    else:
+        recordings = record_workloads(args.workloads, args.tokens, args.draft)
+        if args.recordings:
+            args.recordings.write_text(json.dumps({n: [vars(r) for r in rs] for n, rs in recordings.items()}))
+    results = {name: run_workload(recordings[name], costs) for name in args.workloads}
+    modes = list(results[args.workloads[0]]["ratio_to_alone"])
+    print(f"{'workload':>9} | " + " ".join(f"{m:>9}" for m in modes) + " | adaptive: to best fixed, steps by k")
+    for name, r in results.items():
+        print(f"{name:>9} | " + " ".join(f"{r['ratio_to_alone'][m]:>8.3f}x" for m in modes)
+              + f" | {r['adaptive_to_best_fixed']:.3f}x, {r['adaptive_steps_by_verified']}")
+        for i, req in enumerate(r["per_request"]):
+            print(f"{'#' + str(i + 1):>9} | " + " ".join(f"{req[m]:>8.3f}x" for m in modes))
+    if args.json:
+        write_result(args.json, {"tokens": args.tokens, "costs": vars(costs), **results}, threads=2)

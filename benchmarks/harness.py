@@ -1,0 +1,90 @@
+"""What every benchmark shares: the built-in pair's chat questions, the result file with its
+provenance, and the entry points' subcommands.
+
+A result file records where and from what it was measured: the commit (with "-dirty" when the
+tree had changes), a fingerprint of the patch series, the build's backends and CPU features, the
+CPU model, the threads and the date."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import hashlib
+import importlib
+import importlib.util
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ikdflash.sources.references import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS
+
+if TYPE_CHECKING:
+    from ikdflash import Engine
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+SYSTEM = PAIR_CHAT_DEFAULTS[DEFAULT_PAIR]["system"]  # what `ikdflash chat` sends with the built-in pair
+QUESTIONS = ["Explain rainbows to a child.", "What is the capital of France, and why is it famous?",
+             "Give me three tips for learning to cook.", "Write a short poem about the sea."]
+
+
+def chat_prompts(engine: Engine, questions: list[str]) -> list[list[int]]:
+    """Each question under the built-in pair's system prompt, as `ikdflash chat` sends it."""
+    return [engine.chat_tokens([("system", SYSTEM), ("user", q)]) for q in questions]
+
+
+def _git(*args: str) -> str:
+    result = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+    return result.stdout.strip() if result.returncode == 0 else ""
+
+
+def cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
+
+
+def provenance(threads: int) -> dict:
+    import ikdflash
+
+    series = sorted((ROOT / "third_party" / "ik_llama" / "patches").glob("*"))
+    fingerprint = hashlib.sha256(b"".join(p.read_bytes() for p in series)).hexdigest()[:16]
+    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
+    # the build's "AVX = 1 | AVX2 = 1 | NEON = 0 | ..." as the features it has
+    info = ikdflash.build_info()
+    features = [f.split("=")[0].strip() for f in info["system"].split("|") if f.strip().endswith("= 1")]
+    return {"commit": commit + ("-dirty" if _git("status", "--porcelain", "--untracked-files=no") else ""),
+            "patch_series": fingerprint, "backends": list(info["backends"]), "build_features": " ".join(features),
+            "cpu": cpu_model(), "threads": threads,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}
+
+
+def write_result(path: Path | str, result: dict[str, Any] | list[Any], threads: int) -> None:
+    """The result as JSON at path, with its provenance (a list goes under "rows")."""
+    payload = dict(result) if isinstance(result, dict) else {"rows": result}
+    payload["provenance"] = provenance(threads)
+    Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def run_command(package: str, doc: str, commands: dict[str, str]) -> int:
+    """An entry point's subcommands: `python -m benchmarks.GROUP COMMAND [options]` runs the main()
+    of the module commands[COMMAND] names (under package) with the options after it."""
+    lines = []
+    for name, module in commands.items():  # each module's first docstring line, read without importing it
+        source = Path(str(importlib.util.find_spec(f"{package}.{module}").origin)).read_text()
+        lines.append(f"  {name:<18} {(ast.get_docstring(ast.parse(source)) or '').splitlines()[0]}")
+    parser = argparse.ArgumentParser(prog=f"python -m {package}", description=doc.strip().split("\n\n")[0],
+                                     epilog="commands:\n" + "\n".join(lines) + "\n\n`COMMAND --help` says more.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=list(commands), metavar="COMMAND")
+    parser.add_argument("options", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    module = importlib.import_module(f"{package}.{commands[args.command]}")
+    sys.argv = [f"python -m {package} {args.command}", *args.options]
+    return module.main() or 0

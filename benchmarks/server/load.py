@@ -1,0 +1,92 @@
+"""Aggregate throughput of llama-server under load, with the built-in pair's DFlash draft against
+without a draft.
+
+    python -m benchmarks.server load [--slots 2 4] [--rounds 3] [--tokens 128] [--json out.json]
+        [--other PATH/llama-server]
+
+For each --slots N, each round starts the packaged llama-server with --parallel N twice, with the
+draft (default --spec-type dflash: adaptive) and without, in an order that alternates by round,
+and sends the same 8 chat questions N at a time (greedy, --tokens each, the pair's system prompt,
+no prompt cache). A server's throughput is the tokens generated over the wall time from the first
+request sent to the last reply. Reported per N: each round's ratio (draft / no draft), their
+median, and the one-token decodes the load chose (/metrics dflash_load_plain_steps_total).
+--other adds a third server per round, another build's llama-server with the same draft and
+flags (e.g. one before a change), in the same rotation, and reports it against the same plain runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import time
+import urllib.request
+from pathlib import Path
+
+from ikdflash import Server
+from ikdflash.serving.client import post_json_concurrently
+from ikdflash.serving.spectype import SpecType
+from ikdflash.sources.references import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS, resolve_pair
+
+from benchmarks.harness import write_result
+
+QUESTIONS = ["Explain rainbows to a child.", "What is the capital of France, and why is it famous?",
+             "Give me three tips for learning to cook.", "Write a short poem about the sea.",
+             "How do bees make honey?", "Why is the sky blue?",
+             "Describe a good morning routine.", "What should I pack for a weekend hike?"]
+
+
+def serve_once(target: Path, draft: Path | None, slots: int, tokens: int, binary: Path | None = None) -> dict:
+    system = PAIR_CHAT_DEFAULTS[DEFAULT_PAIR]["system"]
+    bodies = [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": q}],
+               "max_tokens": tokens, "temperature": 0, "cache_prompt": False} for q in QUESTIONS]
+    extra = ["--parallel", str(slots), "--metrics"]
+    if draft is not None:
+        extra += ["--model-draft", str(draft), "--spec-type", SpecType().flag()]
+    with Server(target, ctx_size=2048 * slots, extra_args=extra, binary=binary) as url:
+        start = time.monotonic()
+        replies = []
+        for at in range(0, len(bodies), slots):
+            replies += post_json_concurrently(url + "/v1/chat/completions", bodies[at:at + slots])
+        seconds = time.monotonic() - start
+        metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    generated = sum(r["usage"]["completion_tokens"] for r in replies)
+    held = re.search(r"^llamacpp:dflash_load_plain_steps_total (\d+)", metrics, re.MULTILINE)
+    return {"tokens": generated, "seconds": seconds, "tokens_per_second": generated / seconds,
+            "load_plain_steps": int(held.group(1)) if held else 0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--slots", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--other", type=Path, help="another llama-server build, run with the draft too")
+    args = parser.parse_args()
+
+    target, draft = resolve_pair(DEFAULT_PAIR)
+    results = {}
+    for slots in args.slots:
+        rounds = []
+        configs = {"dflash": (draft, None), "plain": (None, None)}
+        if args.other:
+            configs["other"] = (draft, args.other)
+        names = list(configs)
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            runs = {name: serve_once(target, configs[name][0], slots, args.tokens, configs[name][1]) for name in order}
+            ratios = {name: runs[name]["tokens_per_second"] / runs["plain"]["tokens_per_second"]
+                      for name in names if name != "plain"}
+            rounds.append({**runs, "ratios": ratios})
+            print(f"--parallel {slots} round {r + 1}: " + ", ".join(
+                f"{name} {runs[name]['tokens_per_second']:.1f} tok/s" for name in names) + "; against plain " +
+                  ", ".join(f"{name} {ratio:.3f}x" for name, ratio in ratios.items()) +
+                  f" ({runs['dflash']['load_plain_steps']} steps held by load)", flush=True)
+        medians = {name: statistics.median(r["ratios"][name] for r in rounds) for name in rounds[0]["ratios"]}
+        print(f"--parallel {slots}: median against plain " + ", ".join(f"{n} {m:.3f}x" for n, m in medians.items()))
+        results[str(slots)] = {"rounds": rounds, "median_ratios": medians}
+    if args.json:
+        write_result(args.json, {"tokens": args.tokens, "other": str(args.other) if args.other else None,
+                                 "questions": QUESTIONS, "slots": results}, os.cpu_count() or 1)
