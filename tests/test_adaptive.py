@@ -107,8 +107,8 @@ def test_a_draft_kept_as_often_as_expected_is_probed_as_seldom_as_a_useless_one(
 
 def test_a_draft_that_pays_by_a_little_is_not_held_at_zero_by_a_run_of_misses():
     """Token 1 kept at random half the time on costs where one draft pays from 32% (the built-in
-    pair's case after patch 0041: k = 1 runs at ~1.14x a plain step). A few misses in a row drop
-    the quick estimate under break-even; at k = 0 it then saw only a probe every ~70 steps, and the
+    pair's case after patch `iqk-few-row-Q4_1-products-take-8-weight-rows-at-a-ti`: k = 1 runs at ~1.14x a plain step). A few
+    misses in a row drop the quick estimate under break-even; at k = 0 it then saw only a probe every ~70 steps, and the
     controller spent 69% of the steps there. Plain steps now return it toward the slow estimate."""
     ctl = BlockController(4, [1.0, 1.14, 1.3, 1.5, 1.7], 0.18)
     chosen = run_coin_flips(ctl, 2000, seed=11)

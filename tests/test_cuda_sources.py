@@ -47,7 +47,7 @@ def patched_cuda_files() -> list[str]:
 
 def test_the_series_touches_cuda_sources():
     """A guard for the slow test below (in the default run): it has something to compile
-    (argmax.cu: patch 0026, today)."""
+    (argmax.cu: patch `ggml-argmax-returns-the-first-maximum-on-the-CPU-and`, today)."""
     assert "ggml-cuda/argmax.cu" in patched_cuda_files()
 
 
@@ -108,8 +108,8 @@ def test_patched_cuda_sources_compile_for_sm_90(cuda_fork, tmp_path):
 
 @pytest.mark.slow
 def test_an_mmq_type_list_builds_and_dispatches_those_types_only(cuda_fork, tmp_path):
-    """GGML_CUDA_MMQ_TYPES (patch 0037, the device check's trimmed build): only the listed types'
-    MMQ instance units are compiled, and the dispatchers reference no other type's kernels (else
+    """GGML_CUDA_MMQ_TYPES (patch `cuda-GGML_CUDA_MMQ_TYPES-builds-only-the-listed-MMQ-`, the device check's trimmed build): only
+    the listed types' MMQ instance units are compiled, and the dispatchers reference no other type's kernels (else
     the library would not link); an unknown type stops the configure with its name."""
     fork, cost, cublas = cuda_fork
     entries = cost.configure(fork, tmp_path / "build", ["-DGGML_CUDA_MMQ_TYPES=q4_1;Q8_0"], cublas)

@@ -60,7 +60,7 @@ def test_plain_generation_equals_the_model(pairs):
 def test_a_draft_that_is_always_right(oracle_pair, n_max):
     """Both heads are all zeros, so every id ties: the draft's greedy tokens come from the
     backend's argmax, which must pick the first maximum (id 0), as the target's sampler does;
-    ggml's CPU argmax picked the last one (patch 0026)."""
+    ggml's CPU argmax picked the last one (patch `ggml-argmax-returns-the-first-maximum-on-the-CPU-and`)."""
     target, right, _ = oracle_pair
     with Engine(target, right, n_ctx=256) as engine:
         out = engine.speculate("hello there", max_tokens=1 + 8 * (n_max + 1), n_max=n_max, adaptive=False)
@@ -401,8 +401,8 @@ def test_a_misspelt_sampling_keyword_is_a_type_error_naming_it():
 
 def test_a_moe_targets_first_generation_is_like_the_next(pairs):
     """The base ran a context's first single-token pass of BOS as a warm-up, with every expert
-    (patch 0022): here the first sampled token is BOS, so the next one came from other logits
-    in the first generation than in every later one."""
+    (patch `llama-a-warm-up-pass-only-when-asked-llama_set_warmu`): here the first sampled token is BOS, so the next one came
+    from other logits in the first generation than in every later one."""
     target, _ = pairs["qwen35moe"]
     with Engine(target, n_ctx=512) as engine:
         first, again = (engine.generate(PROMPT, max_tokens=3, temperature=0.8, seed=1, logprobs=1) for _ in range(2))
@@ -415,12 +415,13 @@ def test_a_one_token_decode_computes_what_a_verification_row_computes(tiny_model
     """Past 256 cached keys the base's CPU flash attention narrowed a single query row's keys and
     split them over threads, so a one-token decode rounded otherwise than the same row inside a
     verification block (by 1e-6 here; on SmolLM2 by a few percent of probability, enough to turn
-    9 of 16 greedy replies). Patch 0028 computes the row as a block's row, and patch 0042 cuts
-    every row's keys into the same chunks of 256 cells whatever the thread count: the target's
-    log-probabilities are then identical, bit for bit, with and without the draft and on 1, 2 or
+    9 of 16 greedy replies). Patch `ggml-one-query-row-s-flash-attention-is-one-row-of-a` computes the row as a block's row, and
+    patch `ggml-few-row-CPU-flash-attention-cuts-keys-into-fixe` cuts every row's keys into the same chunks of 256 cells whatever
+    the thread count: the target's log-probabilities are then identical, bit for bit, with and without the draft and on 1, 2 or
     3 threads, here across a chunk's edge. Grouped-query heads of 64, as SmolLM2's. In Q4_1 and
     Q8_0 too (the built-in pair's types), whose products over 1-8 rows have a kernel of their own
-    (patch 0038), and Q4_1 repacked at load (patch 0043)."""
+    (patch `iqk-few-row-legacy-quant-products-convert-scales-onc`), and Q4_1 repacked at load (patch
+    `iqk-Q4_1-repacked-at-load-rtr-into-8-interleaved-row`)."""
     target = tiny_model("llama", n_layer=3, n_embd=576, n_head=9, n_head_kv=3, head_dim=64, n_ff=256,
                         weight_type=weight_type)
     draft = tiny_draft(target, target_layer_ids=[0, 1], block_size=8)

@@ -56,8 +56,8 @@ def test_quantized_rows_not_a_multiple_of_128_give_the_same_states_in_any_batch(
     kernel, which lost a row's last blocks when its 32-wide block count was not a multiple of 4
     (SmolLM2's 576 = 18 blocks): prompt states then depended on how the prompt was batched, so a
     cached prompt, a second slot or a speculative step changed the reply. Batches of 8 take the
-    few-row kernel (patch 0038), so the two kernels check each other here, the blocks after the
-    last whole group of 4 included (3, 5 and 18 blocks)."""
+    few-row kernel (patch `iqk-few-row-legacy-quant-products-convert-scales-onc`), so the two kernels check each other here, the
+    blocks after the last whole group of 4 included (3, 5 and 18 blocks)."""
     path = tiny_model("llama", n_embd=n_embd, n_head=n_embd // 16, n_head_kv=n_embd // 32, n_ff=256,
                       weight_type=weight_type)
     with Model(path, n_ctx=256) as model:
@@ -70,8 +70,8 @@ def test_quantized_rows_not_a_multiple_of_128_give_the_same_states_in_any_batch(
 
 
 def test_q4_1_few_row_products_do_not_depend_on_how_threads_split_the_rows(tiny_model):
-    """Q4_1 products over 1-8 rows take 8 weight rows at a time (patch 0041); a thread whose share
-    of rows is not a multiple of 8 finishes with a partial group (the feed-forward's 256 rows are
+    """Q4_1 products over 1-8 rows take 8 weight rows at a time (patch `iqk-few-row-Q4_1-products-take-8-weight-rows-at-a-ti`); a
+    thread whose share of rows is not a multiple of 8 finishes with a partial group (the feed-forward's 256 rows are
     86/86/84 on 3 threads). Every row's arithmetic is the same in a whole group, a partial one or
     on another thread count, so the states are identical, bit for bit, on 1 and 3 threads."""
     path = tiny_model("llama", n_layer=3, n_embd=576, n_head=9, n_head_kv=3, head_dim=64, n_ff=256,
@@ -87,8 +87,8 @@ def test_q4_1_few_row_products_do_not_depend_on_how_threads_split_the_rows(tiny_
 @pytest.mark.parametrize("n_ff", [256, 4352])
 def test_q4_1_weights_repacked_at_load_compute_what_they_compute_as_stored(tiny_model, n_ff):
     """Run-time repacking (llama-server's -rtr) interleaves Q4_1 weights 8 rows at a time (patch
-    0043), so that a few rows' products need no transpose of the stored rows. Each lane computes
-    what the stored layout's few-row kernel computes, and large batches convert the interleaved
+    `iqk-Q4_1-repacked-at-load-rtr-into-8-interleaved-row`), so that a few rows' products need no transpose of the stored rows.
+    Each lane computes what the stored layout's few-row kernel computes, and large batches convert the interleaved
     rows into the same 8-bit layout as the stored ones: the states are identical, bit for bit, in
     batches of 8 and of 48 (a prompt). Rows of more than 4,096 weights (the feed-forward's down
     projection at n_ff 4352) take another kernel as stored, so in batches of 8 they are close."""
@@ -158,8 +158,8 @@ def test_iq4_nl_weights_repacked_compute_what_they_compute_as_stored(tiny_model,
     """With run-time repacking (llama-server's -rtr) IQ4_NL weights take a kernel of their own,
     whose blocks after the last whole group of 4 read the activations' block sums (int16) as
     bf16: SmolLM2's rows of 576 weights (18 blocks) came out NaN, and the flash attention aborted
-    (patch 0039). IQ4_XS targets took that path too: rows not a multiple of 256 fall back to
-    IQ4_NL. In a subprocess, since the unfixed kernel aborts."""
+    (patch `iqk-repacked-IQ4_NL-reads-block-sums-as-integers-in-`). IQ4_XS targets took that path too: rows not a multiple of 256
+    fall back to IQ4_NL. In a subprocess, since the unfixed kernel aborts."""
     from ikdflash import _core
     f32 = tiny_model("llama", n_layer=3, n_embd=576, n_head=9, n_head_kv=3, head_dim=64, n_ff=256)
     path = tmp_path / "iq4_nl.gguf"
@@ -185,11 +185,11 @@ with Engine(path, None, n_ctx=640, n_batch=1, n_threads=threads) as engine:
 
 
 def test_a_decode_just_past_256_cached_keys_is_the_same_on_one_or_two_threads(tiny_model):
-    """With the base's split of a single query row (IKDFLASH_FA_SPLIT_ROW=1; patch 0028 made the
-    row's default path a block's), its keys are narrowed to the span the mask leaves (257-290 keys
-    here, of a cache padded to 512) and split over threads into more chunks than the whole cache's
-    split; the scratch was sized for the latter (patch 0027). Here the CPU backend's work buffer,
-    which only grows, usually hides the overrun (it showed once as glibc's "corrupted size vs.
+    """With the base's split of a single query row (IKDFLASH_FA_SPLIT_ROW=1; patch
+    `ggml-one-query-row-s-flash-attention-is-one-row-of-a` made the row's default path a block's), its keys are narrowed to the
+    span the mask leaves (257-290 keys here, of a cache padded to 512) and split over threads into more chunks than the whole cache's
+    split; the scratch was sized for the latter (patch `ggml-CPU-flash-attention-scratch-covers-a-narrowed-k`). Here the CPU
+    backend's work buffer, which only grows, usually hides the overrun (it showed once as glibc's "corrupted size vs.
     prev_size"); AddressSanitizer with ggml instrumented (.ci/sanitize) sees it. Prompts go in one
     token at a time so no larger graph grows the buffer first. Grouped-query heads of 64, as
     SmolLM2's; in a subprocess, since heap corruption may abort."""

@@ -152,7 +152,8 @@ def test_an_api_key_never_reaches_the_command_line(tiny_model, tmp_path, monkeyp
 
 def test_a_prompt_of_only_bos_is_not_a_warm_up(tiny_model, tmp_path):
     """The base ran the first single-token pass of BOS after its warm-up as one more warm-up,
-    with every expert of a MoE model (patch 0022): the first such request got other logits."""
+    with every expert of a MoE model (patch `llama-a-warm-up-pass-only-when-asked-llama_set_warmu`): the first such request got
+    other logits."""
     from ikdflash.serving.client import post_json
     target = tiny_model("qwen35moe")
     with Model(target, n_ctx=64) as model:

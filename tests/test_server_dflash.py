@@ -184,8 +184,9 @@ TWO_PROMPTS = [PROMPT, "once upon a time there was a little server that could. "
 def test_concurrent_requests_are_lossless(swa_pairs, tmp_path, arch, parallel):
     """Two requests at once: queued on one slot, or on two slots whose drafts are verified in the
     same batches (each rejection then leaves holes in the KV cache under the other slot's cells,
-    which the base mishandled: patch 0005). Every reply equals plain decoding, and with --parallel 2
-    so do the top probabilities it reports (each slot's own logits rows: patch 0006)."""
+    which the base mishandled: patch `kv-cache-the-last-used-cell-is-found-past-holes`). Every reply equals plain decoding, and
+    with --parallel 2 so do the top probabilities it reports (each slot's own logits rows: patch
+    `server-n_probs-of-accepted-drafts-from-each-slot-s-o`)."""
     target, draft = swa_pairs[arch]
     bodies = [{"prompt": p, "n_predict": 32, "temperature": 0, "ignore_eos": True, "cache_prompt": False,
                "n_probs": 2} for p in TWO_PROMPTS]

@@ -257,7 +257,8 @@ def test_a_generation_that_shifts_the_context(swa_pairs, tmp_path, arch):
 
 def test_slot_actions_after_short_requests_never_hang(swa_pairs, tmp_path):
     """A /slots action right after a short completion: the base posted the task before waiting
-    for its result, so a result that came first was dropped and the request hung (patch 0010)."""
+    for its result, so a result that came first was dropped and the request hung (patch
+    `server-register-for-a-task-s-result-before-posting-t`)."""
     target, draft = swa_pairs["llama"]
     saved = tmp_path / "slots"
     saved.mkdir()
@@ -363,8 +364,8 @@ def test_a_full_kv_cache_splits_the_verification_batch(swa_pairs, tmp_path, arch
 def test_a_second_slot_starts_its_recurrent_state_afresh(swa_pairs, tmp_path, dflash):
     """On a hybrid target with two slots, a request on slot 1 after one on slot 0 answered as it
     does alone only without graph reuse: its prompt's second batch of 16 reused the first one's
-    graph, which had reset the recurrent state at position 0 (patch 0034 reused multi-token
-    graphs; the reset is now part of what a reused graph must match). Found by a run under a CPU
+    graph, which had reset the recurrent state at position 0 (patch `llama-reuse-the-last-graph-for-a-multi-token-batch-o` reused
+    multi-token graphs; the reset is now part of what a reused graph must match). Found by a run under a CPU
     hog, where two concurrent requests happened to be served one after the other."""
     target, draft = swa_pairs["qwen35moe"]
     args = ["--parallel", "2", "--batch-size", "16", "--ubatch-size", "16", *(dflash_args(draft) if dflash else [])]

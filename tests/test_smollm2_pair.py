@@ -142,8 +142,8 @@ def test_two_slots_side_by_side_keep_the_targets_choice(pair, chats, tmp_path, f
     """Two chats at once on two slots with the draft: every token is the target's own top choice
     in the pass that produced it. (Not the replies of one slot at a time: rows batched with
     another slot's round differently, Q8 activations turn that into ~1-10% changes in
-    probabilities, and near-ties flip, with no draft as with one.) Before patches 0018 the
-    server died here with flash attention (GGML_ASSERT(S > 0))."""
+    probabilities, and near-ties flip, with no draft as with one.) Before patches
+    `iqk-flash-attention-a-block-of-rows-visits-every-key` the server died here with flash attention (GGML_ASSERT(S > 0))."""
     from ikdflash.serving.client import post_json_concurrently
     target, draft = pair
     args = ["-fa", flash_attention, "--parallel", "2", "--model-draft", str(draft), "--spec-type",
@@ -208,7 +208,8 @@ def filtered(logprobs, temperature: float, top_k: int = 0, top_p: float = 1.0, m
 
 def test_the_server_does_not_grow_with_requests(pair, tmp_path):
     """Every request's samplers allocated a float per vocabulary entry that was never freed (patch
-    0021): ~190 KiB a request on SmolLM2's 49,152 tokens, 11 MiB over these 60 requests."""
+    `sampling-common_sampler_free-frees-the-adaptive-p-st`): ~190 KiB a request on SmolLM2's 49,152 tokens, 11 MiB over these 60
+    requests."""
     import os
     from pathlib import Path as P
     if "libasan" in os.environ.get("LD_PRELOAD", ""):

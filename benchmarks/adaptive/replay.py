@@ -21,10 +21,10 @@ through each answer as the engine drives it, and every mode's time is the sum of
 
 The controller sees these times as it sees the engine's (its estimates follow them). Defaults:
 the built-in pair on this project's 2-core machine, 2026-12-02 (the engine's calibration and
-running estimates at ~200 cached tokens; the passes of 2-5 rows since patch 0041, from
-`_core.measure.time_passes` at 200 cached tokens, medians of 3 rounds: 1.15x, 1.36x, 1.50x, 1.73x one
-row). Quoted: tokens per millisecond of each mode as a ratio to the target alone, per workload and
-per request, the adaptive mode's steps by k, and an oracle that knows each step's outcome (the
+running estimates at ~200 cached tokens; the passes of 2-5 rows since patch
+`iqk-few-row-Q4_1-products-take-8-weight-rows-at-a-ti`, from `_core.measure.time_passes` at 200 cached tokens, medians of 3
+rounds: 1.15x, 1.36x, 1.50x, 1.73x one row). Quoted: tokens per millisecond of each mode as a ratio to the target alone, per
+workload and per request, the adaptive mode's steps by k, and an oracle that knows each step's outcome (the
 bound for any block length rule with these drafts at these costs).
 """
 

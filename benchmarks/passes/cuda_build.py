@@ -319,7 +319,7 @@ def main() -> None:
     for name in trees:
         report["estimates"][name] = estimate(name, list(units[name]))
     # What a type filter for the matrix-vector kernels would leave too (MMQ has one since patch
-    # 0037, GGML_CUDA_MMQ_TYPES; MMVQ has none: it would take another patch).
+    # `cuda-GGML_CUDA_MMQ_TYPES-builds-only-the-listed-MMQ-`, GGML_CUDA_MMQ_TYPES; MMVQ has none: it would take another patch).
     keep = {q.strip().lower() for q in args.keep_mmvq.split(",") if q.strip()}
     if keep:
         def kept(p: str) -> bool:

@@ -1,5 +1,5 @@
-"""What patch 0028 costs: one-token decoding speed with a single query row computed as a block's
-row (the default) against the base's narrowed keys split over threads (IKDFLASH_FA_SPLIT_ROW=1).
+"""What patch `ggml-one-query-row-s-flash-attention-is-one-row-of-a` costs: one-token decoding speed with a single query row
+computed as a block's row (the default) against the base's narrowed keys split over threads (IKDFLASH_FA_SPLIT_ROW=1).
 
     python -m benchmarks.passes one-token [--target T.gguf] [--contexts 512 2048 4096] [--threads 2]
 

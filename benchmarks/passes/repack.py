@@ -5,9 +5,9 @@ and repacked.
     python -m benchmarks.passes repack [--pass-rounds 30] [--tokens 128] [--repeats 3] [--prompt-tokens 1024]
                                 [--json out.json]
 
-The built-in target is Q4_1, which the fork repacks into 8 interleaved rows (patch 0043) whose
-few-row kernel needs no transpose; the results are the same bit for bit. Repacking also loads the
-weights into memory of their own instead of mapping the file's pages, so the passes are timed in
+The built-in target is Q4_1, which the fork repacks into 8 interleaved rows (patch
+`iqk-Q4_1-repacked-at-load-rtr-into-8-interleaved-row`) whose few-row kernel needs no transpose; the results are the same bit for
+bit. Repacking also loads the weights into memory of their own instead of mapping the file's pages, so the passes are timed in
 three loads in one process: as stored and mapped (the fork's default), as stored in memory of
 their own (--no-mmap), and repacked; each round times every load's passes of 1, 2, 3 and 5 rows
 after the same 160 cached tokens (`_core.measure.time_passes`, 5 passes a load, the loads taking turns),

@@ -7,8 +7,8 @@ A tiny llama target and another tiny llama (different weights) as its draft, so 
 rejected and each rejection leaves a hole in the KV cache under the other slot's cells. The two
 prompts are decoded one at a time without a draft (the reference), then sent concurrently,
 several rounds, with --parallel 1 (queued) and --parallel 2 (verified in the same batches). It
-prints per round whether both replies equal the reference. Before patch 0005 (the KV cache's
-last-used-cell search skipped cells above a hole) --parallel 2 missed in some rounds; the DFlash
+prints per round whether both replies equal the reference. Before patch `kv-cache-the-last-used-cell-is-found-past-holes` (the KV
+cache's last-used-cell search skipped cells above a hole) --parallel 2 missed in some rounds; the DFlash
 equivalent is tests/test_server_dflash.py::test_concurrent_requests_are_lossless.
 """
 

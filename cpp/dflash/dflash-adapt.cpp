@@ -58,7 +58,7 @@ constexpr double k_expected_p_cap = 0.5;  // above this a hit is hardly evidence
 // pair, where a plain step is ~6.5 ms, so 46 steps).
 constexpr double k_probe_budget = 0.01;
 constexpr int k_max_probe_interval = 256;
-// A pass of another row count than the pass before rebuilds the target's graph (patch 0034 reuses
+// A pass of another row count than the pass before rebuilds the target's graph (patch `llama-reuse-the-last-graph-for-a-multi-token-batch-o` reuses
 // it only for the same shape): on SmolLM2's pair +1.0 ms on a 2-row pass after a 1-row one, +0.6
 // ms back, against 6.4 ms for a one-row pass. A change of k pays that once for a run of steps, so
 // the controller charges a k other than the last one this share of it per step: enough that a
@@ -147,7 +147,7 @@ struct dflash_costs {
     }
 
     // Only a pass of as many rows as the one before counts for the pass costs: the target reuses
-    // its graph for it (patch 0034), as in a run of steps verifying the same k; counting passes
+    // its graph for it (patch `llama-reuse-the-last-graph-for-a-multi-token-batch-o`), as in a run of steps verifying the same k; counting passes
     // that rebuilt the graph made a k the controller seldom chose look dearer than it is, and kept
     // it seldom chosen. What such a pass costs more goes to switch_ms instead.
     void observe_pass(int rows, double ms) {

@@ -257,7 +257,7 @@ class Check:
     top choice in the pass that produced it (a real loss: there must be none), and where it
     merely turns from the target alone's, with the target alone's top-two gap there (a sign that
     the target rounds a verification block otherwise than one token, as the CPU flash attention
-    did before patch 0028, or does with IKDFLASH_FA_SPLIT_ROW=1)."""
+    did before patch `ggml-one-query-row-s-flash-attention-is-one-row-of-a`, or does with IKDFLASH_FA_SPLIT_ROW=1)."""
 
     not_the_targets_choice: list[tuple[str, int, int, int]] = field(default_factory=list)
     turns: list[tuple[str, int, int, int, float]] = field(default_factory=list)
