@@ -1,10 +1,10 @@
-"""Cross-context memory of the seed draft's shape, read from the actual allocation.
+"""Cross-context memory of the Qwen3.5-35B-A3B SWA draft's shape, read from the actual allocation.
 
     python -m benchmarks.passes cross-ctx-memory [--cross-ctx 8192 65536] [--json out.json]
 
 The cross-context holds, per draft layer, the keys and values of context rows: its size depends
 on the layer count, kv heads x head dim, the window and the sliding pattern only. This script
-builds a draft with exactly the seed's values for those (Qwen3.5-35B-A3B-DFlash SWA: 6 layers,
+builds a draft with exactly that draft's values for those (Qwen3.5-35B-A3B-DFlash SWA: 6 layers,
 8 kv heads of 128, window 4096, 5 sliding + 1 full) on a tiny target, allocates the cross-context
 for each cross_ctx, with the window honoured and with every layer full (how ik_llama.cpp sizes
 it), and reports the bytes the fork allocated.
@@ -22,7 +22,7 @@ from tests.fixtures.tinydraft import write_hf_target, write_tiny_draft
 from tests.fixtures.tinymodels import write_tiny_model
 from benchmarks.harness import write_result
 
-SEED_SHAPE = dict(layer_types=["sliding_attention"] * 5 + ["full_attention"], sliding_window=4096,
+QWEN35_SWA_SHAPE = dict(layer_types=["sliding_attention"] * 5 + ["full_attention"], sliding_window=4096,
                   n_head=8, n_head_kv=8, head_dim=128, n_ff=64, block_size=16)
 
 
@@ -35,7 +35,7 @@ def main() -> None:
         tmp = Path(tmp)
         target = write_tiny_model(tmp / "target.gguf", arch="qwen3")
         hf = write_hf_target(tmp / "hf", target)
-        checkpoint = write_tiny_draft(tmp / "draft", hf, target_layer_ids=[0, 2], **SEED_SHAPE)
+        checkpoint = write_tiny_draft(tmp / "draft", hf, target_layer_ids=[0, 2], **QWEN35_SWA_SHAPE)
         draft_path = convert(checkpoint, hf, outtype="f16", log=lambda _: None)
         model = _core.Model(str(target), n_ctx=256)
         draft = _core.Draft(model, str(draft_path))

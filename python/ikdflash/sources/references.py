@@ -40,7 +40,7 @@ BUILTIN_PAIRS: dict[str, dict[str, str]] = {
                   "#sha256=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         "draft": "ikdflash:drafts/smollm2-135m-swa-q8_0.gguf",
     },
-    # The seed: the Qwen3.5-35B-A3B DFlash draft retrained with a 4096 window on 5 of its 6 layers,
+    # The Qwen3.5-35B-A3B DFlash draft retrained with a 4096 window on 5 of its 6 layers,
     # as a Q8_0 dflash-draft GGUF carrying the window (linked from ik_llama.cpp PR #2021), and
     # unsloth's Q4_K_M of the target (a single file).
     "qwen3.5-35b-a3b-swa": {
