@@ -17,6 +17,7 @@ import json
 import platform
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,9 +77,10 @@ def run_command(package: str, doc: str, commands: dict[str, str]) -> int:
     """An entry point's subcommands: `python -m benchmarks.GROUP COMMAND [options]` runs the main()
     of the module commands[COMMAND] names (under package) with the options after it."""
     lines = []
-    for name, module in commands.items():  # each module's first docstring line, read without importing it
+    for name, module in commands.items():  # each module's first paragraph, read without importing it
         source = Path(str(importlib.util.find_spec(f"{package}.{module}").origin)).read_text()
-        lines.append(f"  {name:<18} {(ast.get_docstring(ast.parse(source)) or '').splitlines()[0]}")
+        summary = " ".join((ast.get_docstring(ast.parse(source)) or "").split("\n\n")[0].split())
+        lines += textwrap.wrap(summary, 100, initial_indent=f"  {name:<18} ", subsequent_indent=" " * 21)
     parser = argparse.ArgumentParser(prog=f"python -m {package}", description=doc.strip().split("\n\n")[0],
                                      epilog="commands:\n" + "\n".join(lines) + "\n\n`COMMAND --help` says more.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -10,6 +10,7 @@ COMMANDS = {
     "paths": "paths",
     "parallel-slots": "parallel_slots",
     "first-command": "first_command",
+    "batch-variance": "batch_variance",
 }
 
 sys.exit(run_command("benchmarks.server", server.__doc__ or "", COMMANDS))
