@@ -81,6 +81,23 @@ def test_matches_the_reference(target, drafts, case, n_ctx, start):
     assert tokens == ref_tokens
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_cpu_convolution_computes_what_the_standard_ops_compute(target, drafts, case, monkeypatch):
+    """On the CPU a convolution is one host node; the standard ggml ops (what an accelerator runs,
+    IKDFLASH_DFLASH2_CONV_OPS=1) give the same logits bit for bit."""
+    _, _, model = target
+    folder, gguf = drafts[case]
+    features = context(20, _core.Draft(model, str(gguf)).info()["n_target_features"])
+    steps = []
+    for ops in ("0", "1"):
+        monkeypatch.setenv("IKDFLASH_DFLASH2_CONV_OPS", ops)
+        draft = _core.Draft(model, str(gguf))
+        steps.append(draft.forward(features, np.arange(80, 100, dtype=np.int32), 65, 100))
+    (host_logits, host_tokens), (ops_logits, ops_tokens) = steps
+    assert np.array_equal(host_logits, ops_logits)
+    assert host_tokens == ops_tokens
+
+
 def test_the_selector_changes_the_proposal(target, drafts):
     """With top-K 1 the selector keeps each row's argmax; with a wider choice it re-ranks, and on
     these random codebooks at least one row's token is not its argmax."""

@@ -12,11 +12,14 @@ speculates greedily on chat questions at fixed n_max 1..4 (a step proposes n_max
 drafts take turns within each repeat, in one process, and the medians of draft milliseconds per
 step are reported with acceptance: compare ratios, not absolute times (shared, noisy machines).
 --draft NAME=PATH adds a draft of the same pair to the comparison (a DFlash2 draft, say).
+--conv-ops adds the shipped DFlash2 draft with its in-block convolutions as standard ggml ops, as
+an accelerator runs them (IKDFLASH_DFLASH2_CONV_OPS=1), against one host node each (the CPU's).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -58,6 +61,8 @@ def main() -> int:
     parser.add_argument("--ids", type=int, nargs="*", default=[16384, 8192])
     parser.add_argument("--draft", action="append", default=[], metavar="NAME=PATH",
                         help="another draft for the built-in target to time beside the shipped one")
+    parser.add_argument("--conv-ops", action="store_true",
+                        help="also time the shipped DFlash2 draft with its convolutions as standard ggml ops")
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -82,6 +87,11 @@ def main() -> int:
             name, _, path = named.partition("=")
             drafts[name] = Path(path)
         engines = {name: Engine(target, path, n_threads=args.threads) for name, path in drafts.items()}
+        if args.conv_ops:
+            drafts["conv ops"] = shipped
+            os.environ["IKDFLASH_DFLASH2_CONV_OPS"] = "1"  # read when the draft loads
+            engines["conv ops"] = Engine(target, shipped, n_threads=args.threads)
+            del os.environ["IKDFLASH_DFLASH2_CONV_OPS"]
         prompts = chat_prompts(engines["shipped"], QUESTIONS)
         ms: dict[tuple[str, int], list[float]] = {}
         accepted: dict[tuple[str, int], list[int]] = {}

@@ -14,6 +14,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -257,6 +258,7 @@ struct dflash_draft {
     // by the token chosen before it. conv_taps == 0: a DFlash1 draft.
     int conv_taps = 0, conv_group = 0, selector_rank = 0, selector_top_k = 0;
     bool is_dflash2() const { return conv_taps > 0; }
+    bool conv_as_ops = false;  // the convolutions as standard ggml ops on the CPU too (convolve_block)
     int graph_nodes = k_max_graph_nodes;  // a step's graph holds at most this many
 
     // weights (ours), and the target's embedding and head when the draft has none
@@ -850,6 +852,8 @@ std::unique_ptr<dflash_draft> load(const char * path, const llama_model * target
     bind_tensors(*d, target);
 
     place(*d, target, params);
+    const char * conv_ops = std::getenv("IKDFLASH_DFLASH2_CONV_OPS");
+    d->conv_as_ops = conv_ops != nullptr && std::strcmp(conv_ops, "1") == 0;
     load_weights(*d, gctx);
     if (d->is_dflash2()) {
         attach_codebooks(*d);
@@ -1111,8 +1115,13 @@ void select_tokens(const dflash_draft & d, const std::vector<float> & scored, co
 // for stage, j and the channel's group) * in[t - j], rows before the block counting as zeros.
 // taps: [2 * conv_taps * groups, B], the projection of the sublayer's normed input. Each tap is
 // added where the reference adds it (base, then dynamic), so the sums round alike.
-ggml_tensor * convolve_block(const dflash_draft & d, ggml_context * ctx, ggml_tensor * in, ggml_tensor * taps,
-                             const block_conv & conv, int stage) {
+//
+// As standard ggml ops (any backend) this is ~7 nodes per tap; on 2 CPU threads a node costs a
+// few microseconds whatever its size, more than the arithmetic. So where the draft runs on the
+// CPU the whole convolution is one node (convolve_rows), computing the same sums in the same
+// order. IKDFLASH_DFLASH2_CONV_OPS=1 takes the standard ops on the CPU too.
+ggml_tensor * convolve_block_ops(const dflash_draft & d, ggml_context * ctx, ggml_tensor * in, ggml_tensor * taps,
+                                 const block_conv & conv, int stage) {
     const int64_t B = in->ne[1], groups = d.n_embd / d.conv_group;
     ggml_tensor * out = nullptr;
     for (int j = 0; j < d.conv_taps && j < B; ++j) {
@@ -1133,6 +1142,46 @@ ggml_tensor * convolve_block(const dflash_draft & d, ggml_context * ctx, ggml_te
         }
     }
     return out;
+}
+
+// convolve_block's sums on the host, one node. in: [n_embd, B] f32; taps: the stage's dynamic
+// taps, [conv_taps * groups, B] (a view of the projection); base: the stage's [n_embd, conv_taps].
+// Threads share the rows. Rows before the block are zeros, and their terms are added as the
+// reference adds them (a NaN or infinite tap spreads alike).
+void convolve_rows(ggml_tensor * dst, const ggml_tensor * in, const ggml_tensor * taps, const ggml_tensor * base,
+                   int ith, int nth, void * /*userdata*/) {
+    const int64_t n_embd = in->ne[0], B = in->ne[1], n_taps = base->ne[1];
+    const int64_t groups = taps->ne[0] / n_taps, group = n_embd / groups;
+    for (int64_t t = ith; t < B; t += nth) {
+        float * out = (float *) ((char *) dst->data + t * dst->nb[1]);
+        const float * dynamic = (const float *) ((const char *) taps->data + t * taps->nb[1]);
+        for (int64_t c = 0; c < n_embd; ++c) {
+            out[c] = 0.0f;
+        }
+        for (int64_t j = 0; j < n_taps; ++j) {
+            const float * kernel = (const float *) ((const char *) base->data + j * base->nb[1]);
+            const float * x = t >= j ? (const float *) ((const char *) in->data + (t - j) * in->nb[1]) : nullptr;
+            for (int64_t g = 0; g < groups; ++g) {
+                const float tap = dynamic[j * groups + g];
+                for (int64_t c = g * group; c < (g + 1) * group; ++c) {
+                    const float v = x ? x[c] : 0.0f;
+                    const float by_base = kernel[c] * v, by_dynamic = tap * v;
+                    out[c] = j == 0 ? by_base + by_dynamic : (out[c] + by_base) + by_dynamic;
+                }
+            }
+        }
+    }
+}
+
+ggml_tensor * convolve_block(const dflash_draft & d, ggml_context * ctx, ggml_tensor * in, ggml_tensor * taps,
+                             const block_conv & conv, int stage) {
+    if (d.device != nullptr || d.conv_as_ops) {
+        return convolve_block_ops(d, ctx, in, taps, conv, stage);
+    }
+    const int64_t per_stage = (int64_t) d.conv_taps * (d.n_embd / d.conv_group);
+    ggml_tensor * stage_taps = ggml_view_2d(ctx, taps, per_stage, taps->ne[1], taps->nb[1], stage * per_stage * taps->nb[0]);
+    ggml_tensor * base = ggml_view_2d(ctx, conv.base, d.n_embd, d.conv_taps, conv.base->nb[1], stage * conv.base->nb[2]);
+    return ggml_map_custom3(ctx, in, stage_taps, base, convolve_rows, GGML_N_TASKS_MAX, nullptr);
 }
 
 // One draft step. The head, which costs more than the layers for a large vocabulary, runs only on
