@@ -1,26 +1,24 @@
 """What every benchmark shares: the built-in pair's chat questions, the result file with its
 provenance, and the entry points' subcommands.
 
-A result file records where and from what it was measured: the commit (with "-dirty" when the
-tree had changes), a fingerprint of the patch series, the build's backends and CPU features, the
-CPU model, the threads and the date."""
+A result file records where and from what it was measured (ikdflash.serving.fork.provenance):
+the commit (with "-dirty" when the tree had changes), a fingerprint of the patch series compiled
+in, the build's backends and CPU features, the CPU model, the threads and the date."""
 
 from __future__ import annotations
 
 import argparse
 import ast
-import datetime
-import hashlib
 import importlib
 import importlib.util
 import json
-import platform
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ikdflash.serving.fork import provenance as fork_provenance
 from ikdflash.sources.references import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS
 
 if TYPE_CHECKING:
@@ -44,26 +42,11 @@ def _git(*args: str) -> str:
     return result.stdout.strip() if result.returncode == 0 else ""
 
 
-def cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return names[0] if names else platform.processor() or platform.machine()
-
-
 def provenance(threads: int) -> dict:
-    import ikdflash
-
-    series = sorted((ROOT / "third_party" / "ik_llama" / "patches").glob("*"))
-    fingerprint = hashlib.sha256(b"".join(p.read_bytes() for p in series)).hexdigest()[:16]
+    """The package's provenance of a measurement, with this checkout's commit."""
     commit = _git("rev-parse", "--short", "HEAD") or "unknown"
-    # the build's "AVX = 1 | AVX2 = 1 | NEON = 0 | ..." as the features it has
-    info = ikdflash.build_info()
-    features = [f.split("=")[0].strip() for f in info["system"].split("|") if f.strip().endswith("= 1")]
-    return {"commit": commit + ("-dirty" if _git("status", "--porcelain", "--untracked-files=no") else ""),
-            "patch_series": fingerprint, "backends": list(info["backends"]), "build_features": " ".join(features),
-            "cpu": cpu_model(), "threads": threads,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}
+    dirty = "-dirty" if _git("status", "--porcelain", "--untracked-files=no") else ""
+    return fork_provenance(threads, commit + dirty)
 
 
 def write_result(path: Path | str, result: dict[str, Any] | list[Any], threads: int) -> None:

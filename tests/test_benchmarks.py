@@ -3,6 +3,7 @@ pair, writes the provenance fields every result file carries (benchmarks/harness
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -20,6 +21,8 @@ def test_a_result_file_records_where_it_was_measured(tmp_path):
     assert set(where) == {"commit", "patch_series", "backends", "build_features", "cpu", "threads", "date"}
     assert where["commit"] != "unknown" and len(where["patch_series"]) == 16 and "CPU" in where["backends"]
     assert where["threads"] == 2 and where["cpu"] and where["date"].endswith("Z")
+    series = sorted((ROOT / "third_party" / "ik_llama" / "patches").glob("*"))  # what the build compiled
+    assert where["patch_series"] == hashlib.sha256(b"".join(p.read_bytes() for p in series)).hexdigest()[:16]
     assert result["engine_tps"] > 0
 
 

@@ -226,6 +226,9 @@ def test_bench_writes_a_complete_table(pair, tmp_path):
         assert r["adaptive_tps"] > 0 and 0.0 <= r["adaptive_plain_share"] <= 1.0
         assert r["adaptive_speedup"] == pytest.approx(r["adaptive_tps"] / r["no_draft_tps"])
     assert "8/8" in out.stderr  # the progress bar reached the end: 4 modes x 2 lengths
+    where = data["provenance"]  # the package's own build, outside any checkout
+    assert where["commit"].startswith("ikdflash ") and len(where["patch_series"]) == 16
+    assert "CPU" in where["backends"] and where["cpu"] and where["threads"] >= 1
 
 
 def test_bench_repeats_and_checks_every_output(pair, tmp_path, monkeypatch, capsys):

@@ -37,6 +37,7 @@ import contextlib
 import csv
 import json
 import math
+import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
@@ -44,6 +45,7 @@ from pathlib import Path
 
 from ikdflash.chat import chat_template
 from ikdflash.serving.client import get_json, post_json
+from ikdflash.serving.fork import provenance
 from ikdflash.engine import Engine, SpeculationResult, SpeculationStats
 from ikdflash.sources.references import HubError, add_model_arguments, resolve_models
 from ikdflash.sources.pair import check_pair
@@ -430,7 +432,8 @@ def write_records(args: argparse.Namespace, records: list[dict], meta: dict) -> 
             writer.writeheader()
             writer.writerows(records)
     if args.json:
-        args.json.write_text(json.dumps({**meta, "rows": records}, indent=2))
+        threads = args.threads or min(8, os.cpu_count() or 1)  # Model's default when not given
+        args.json.write_text(json.dumps({**meta, "rows": records, "provenance": provenance(threads)}, indent=2))
 
 
 def run(args: argparse.Namespace) -> int:
