@@ -4,11 +4,12 @@ and without a DFlash draft, and one test per finding with its minimal request.
 
 Every test wants the fixed behaviour: a 4xx whose message names the field (501 for a feature the
 model lacks), the server still up, /health answering and the normal request's reply unchanged.
-The fixes are one patch of the series (FIXED_BY); a llama-server built without it has every
-finding, and there each test is a strict xfail that names its finding, so the run stays green
-and a test turns red (XPASS) if a finding goes away some other way. Which server is tested:
-the package's (fixed when its series has FIXED_BY), or IKDFLASH_FUZZ_SERVER=path/to/llama-server;
-IKDFLASH_FUZZ_EXPECT_FIXED=1 or 0 says whether that one has the fixes.
+Each finding is fixed by one patch of the series (FIXED_BY, after a patch of shared request
+checks); a llama-server built without a finding's patch has that finding, and there its tests are
+strict xfails that name it, so the run stays green and a test turns red (XPASS) if a finding goes
+away some other way. Which server is tested: the package's (a finding is fixed when its series has
+the finding's patch), or IKDFLASH_FUZZ_SERVER=path/to/llama-server; IKDFLASH_FUZZ_EXPECT_FIXED=1
+or 0 says whether that one has all the fixes or none.
 """
 
 from __future__ import annotations
@@ -50,20 +51,37 @@ NAMES = {
     "F12": "a grammar or logit_bias that leaves no token to sample aborts the server ('Failed to sample token')",
     "F13": "a request's system_prompt longer than a slot's context breaks every later request",
 }
-FIXED_BY = "server-hostile-requests-get-a-4xx"  # in the name of the patch with the fixes
+# finding -> the name of the patch that fixes it, less its number (NNNN-) and .patch
+FIXED_BY = {
+    "F1": "server-a-failed-slot-save-restore-or-erase-always-an",
+    "F2": "server-a-completion-for-a-slot-that-does-not-exist-i",
+    "F3": "server-a-field-of-the-wrong-type-or-range-gets-a-400",
+    "F4": "server-a-prompt-token-id-outside-the-vocabulary-is-r",
+    "F5": "server-infill-on-a-model-without-FIM-tokens-answers-",
+    "F6": "server-a-corrupt-file-beside-a-slot-save-fails-only-",
+    "F7": "server-request-bodies-nest-at-most-256-levels",
+    "F8": "server-bad-input-gets-a-400-not-a-500",
+    "F9": "server-slots-id-takes-only-a-plain-slot-number",
+    "F10": "server-each-request-starts-its-slot-from-the-server-",
+    "F11": "server-deep-grammars-schema-patterns-and-long-regexe",
+    "F12": "server-a-request-that-leaves-no-token-to-sample-fail",
+    "F13": "server-a-system_prompt-may-take-at-most-half-a-slot-",
+}
 
 
-def fixes_in_server() -> bool:
+def unfixed_in_server() -> set[str]:
+    """The findings the tested llama-server still has."""
     said = os.environ.get("IKDFLASH_FUZZ_EXPECT_FIXED")
     if said is not None:
-        return said == "1"
+        return set() if said == "1" else set(NAMES)
     if os.environ.get("IKDFLASH_FUZZ_SERVER"):
-        return False
+        return set(NAMES)
     from ikdflash.serving.fork import patches
-    return any(FIXED_BY in name for name in patches())
+    slugs = {name.split("-", 1)[-1].removesuffix(".patch") for name in patches()}
+    return {n for n in NAMES if FIXED_BY[n] not in slugs}
 
 
-UNFIXED = set() if fixes_in_server() else set(NAMES)
+UNFIXED = unfixed_in_server()
 TIMEOUT = 15.0  # seconds: a normal request takes well under one on the tiny model
 
 
