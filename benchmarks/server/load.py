@@ -9,7 +9,9 @@ draft (default --spec-type dflash: adaptive) and without, in an order that alter
 and sends the same 8 chat questions N at a time (greedy, --tokens each, the pair's system prompt,
 no prompt cache). A server's throughput is the tokens generated over the wall time from the first
 request sent to the last reply. Reported per N: each round's ratio (draft / no draft), their
-median, and the one-token decodes the load chose (/metrics dflash_load_plain_steps_total).
+median, the one-token decodes the load chose (/metrics dflash_load_plain_steps_total), and the
+share of the wall time the draft steps took (the replies' timings.draft_ms summed: a server runs
+its slots' draft steps one after another).
 --other adds a third server per round, another build's llama-server with the same draft and
 flags (e.g. one before a change), in the same rotation, and reports it against the same plain runs.
 """
@@ -52,9 +54,10 @@ def serve_once(target: Path, draft: Path | None, slots: int, tokens: int, binary
         seconds = time.monotonic() - start
         metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
     generated = sum(r["usage"]["completion_tokens"] for r in replies)
+    draft_ms = sum(r.get("timings", {}).get("draft_ms", 0.0) for r in replies)
     held = re.search(r"^llamacpp:dflash_load_plain_steps_total (\d+)", metrics, re.MULTILINE)
     return {"tokens": generated, "seconds": seconds, "tokens_per_second": generated / seconds,
-            "load_plain_steps": int(held.group(1)) if held else 0}
+            "load_plain_steps": int(held.group(1)) if held else 0, "draft_share": draft_ms / 1e3 / seconds}
 
 
 def main() -> None:
@@ -83,7 +86,8 @@ def main() -> None:
             print(f"--parallel {slots} round {r + 1}: " + ", ".join(
                 f"{name} {runs[name]['tokens_per_second']:.1f} tok/s" for name in names) + "; against plain " +
                   ", ".join(f"{name} {ratio:.3f}x" for name, ratio in ratios.items()) +
-                  f" ({runs['dflash']['load_plain_steps']} steps held by load)", flush=True)
+                  f" ({runs['dflash']['load_plain_steps']} steps held by load,"
+                  f" drafting {runs['dflash']['draft_share']:.1%} of the wall time)", flush=True)
         medians = {name: statistics.median(r["ratios"][name] for r in rounds) for name in rounds[0]["ratios"]}
         print(f"--parallel {slots}: median against plain " + ", ".join(f"{n} {m:.3f}x" for n, m in medians.items()))
         results[str(slots)] = {"rounds": rounds, "median_ratios": medians}
