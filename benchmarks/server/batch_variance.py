@@ -21,28 +21,18 @@ import os
 from pathlib import Path
 
 from ikdflash import Server
-from ikdflash.serving.client import post_json, post_json_concurrently
-from ikdflash.serving.spectype import SpecType
+from ikdflash.serving.client import post_json
 from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
 
-from benchmarks.harness import SYSTEM, write_result
-from benchmarks.server.load import QUESTIONS
+from benchmarks.harness import write_result
+from benchmarks.server.load import QUESTIONS, chat_bodies, post_in_waves, server_flags
 
 
 def answers(target: Path, draft: Path | None, slots: int, tokens: int, concurrent: bool) -> list[str]:
-    bodies = [{"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
-               "max_tokens": tokens, "temperature": 0, "cache_prompt": False} for q in QUESTIONS]
-    extra = ["--parallel", str(slots)]
-    if draft is not None:
-        extra += ["--model-draft", str(draft), "--spec-type", SpecType().flag()]
-    with Server(target, ctx_size=2048 * slots, extra_args=extra) as url:
+    bodies = chat_bodies(tokens)
+    with Server(target, ctx_size=2048 * slots, extra_args=server_flags(draft, slots)) as url:
         route = url + "/v1/chat/completions"
-        if concurrent:
-            replies = []
-            for at in range(0, len(bodies), slots):
-                replies += post_json_concurrently(route, bodies[at:at + slots])
-        else:
-            replies = [post_json(route, body) for body in bodies]
+        replies = post_in_waves(route, bodies, slots) if concurrent else [post_json(route, body) for body in bodies]
     return [reply["choices"][0]["message"]["content"] for reply in replies]
 
 

@@ -39,18 +39,33 @@ QUESTIONS = ["Explain rainbows to a child.", "What is the capital of France, and
              "Describe a good morning routine.", "What should I pack for a weekend hike?"]
 
 
-def serve_once(target: Path, draft: Path | None, slots: int, tokens: int, binary: Path | None = None) -> dict:
+def chat_bodies(tokens: int) -> list[dict]:
+    """The 8 questions as greedy chat requests under the pair's system prompt, no prompt cache."""
     system = PAIR_CHAT_DEFAULTS[DEFAULT_PAIR]["system"]
-    bodies = [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": q}],
-               "max_tokens": tokens, "temperature": 0, "cache_prompt": False} for q in QUESTIONS]
-    extra = ["--parallel", str(slots), "--metrics"]
-    if draft is not None:
-        extra += ["--model-draft", str(draft), "--spec-type", SpecType().flag()]
-    with Server(target, ctx_size=2048 * slots, extra_args=extra, binary=binary) as url:
+    return [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": q}],
+             "max_tokens": tokens, "temperature": 0, "cache_prompt": False} for q in QUESTIONS]
+
+
+def server_flags(draft: Path | None, slots: int) -> list[str]:
+    """--parallel slots, with the draft at the default --spec-type dflash when one is given."""
+    flags = ["--parallel", str(slots)]
+    return flags if draft is None else flags + ["--model-draft", str(draft), "--spec-type", SpecType().flag()]
+
+
+def post_in_waves(route: str, bodies: list[dict], slots: int) -> list[dict]:
+    """The bodies sent `slots` at a time, each wave after the one before has answered."""
+    replies: list[dict] = []
+    for at in range(0, len(bodies), slots):
+        replies += post_json_concurrently(route, bodies[at:at + slots])
+    return replies
+
+
+def serve_once(target: Path, draft: Path | None, slots: int, tokens: int, binary: Path | None = None) -> dict:
+    bodies = chat_bodies(tokens)
+    with Server(target, ctx_size=2048 * slots, extra_args=server_flags(draft, slots) + ["--metrics"],
+                binary=binary) as url:
         start = time.monotonic()
-        replies = []
-        for at in range(0, len(bodies), slots):
-            replies += post_json_concurrently(url + "/v1/chat/completions", bodies[at:at + slots])
+        replies = post_in_waves(url + "/v1/chat/completions", bodies, slots)
         seconds = time.monotonic() - start
         metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
     generated = sum(r["usage"]["completion_tokens"] for r in replies)
