@@ -24,6 +24,7 @@ import re
 import statistics
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from ikdflash import Server
@@ -60,9 +61,10 @@ def post_in_waves(route: str, bodies: list[dict], slots: int) -> list[dict]:
     return replies
 
 
-def serve_once(target: Path, draft: Path | None, slots: int, tokens: int, binary: Path | None = None) -> dict:
+def serve_once(target: Path, draft: Path | None, slots: int, tokens: int, binary: Path | None = None,
+               extra: Sequence[str] = ()) -> dict:
     bodies = chat_bodies(tokens)
-    with Server(target, ctx_size=2048 * slots, extra_args=server_flags(draft, slots) + ["--metrics"],
+    with Server(target, ctx_size=2048 * slots, extra_args=server_flags(draft, slots) + ["--metrics", *extra],
                 binary=binary) as url:
         start = time.monotonic()
         replies = post_in_waves(url + "/v1/chat/completions", bodies, slots)
@@ -70,9 +72,12 @@ def serve_once(target: Path, draft: Path | None, slots: int, tokens: int, binary
         metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
     generated = sum(r["usage"]["completion_tokens"] for r in replies)
     draft_ms = sum(r.get("timings", {}).get("draft_ms", 0.0) for r in replies)
+    prompt_ms = sum(r.get("timings", {}).get("prompt_ms", 0.0) for r in replies)
+    prompt_n = sum(r.get("timings", {}).get("prompt_n", 0) for r in replies)
     held = re.search(r"^llamacpp:dflash_load_plain_steps_total (\d+)", metrics, re.MULTILINE)
     return {"tokens": generated, "seconds": seconds, "tokens_per_second": generated / seconds,
-            "load_plain_steps": int(held.group(1)) if held else 0, "draft_share": draft_ms / 1e3 / seconds}
+            "load_plain_steps": int(held.group(1)) if held else 0, "draft_share": draft_ms / 1e3 / seconds,
+            "prompt_tokens_per_second": prompt_n / (prompt_ms / 1e3) if prompt_ms else None}
 
 
 def main() -> None:

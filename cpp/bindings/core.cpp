@@ -48,9 +48,9 @@ PYBIND11_MODULE(_core, m) {
           "Whether run-time repacking changes only weights whose repacked kernels keep DFlash exact.");
 
     py::class_<Model>(m, "Model")
-        .def(py::init<const std::string &, int, int, int, int, bool, bool>(), py::arg("path"), py::arg("n_ctx") = 512,
+        .def(py::init<const std::string &, int, int, int, int, bool, bool, bool>(), py::arg("path"), py::arg("n_ctx") = 512,
              py::arg("n_threads") = 0, py::arg("n_gpu_layers") = 0, py::arg("n_batch") = 512,
-             py::arg("repack") = false, py::arg("mmap") = true)
+             py::arg("repack") = false, py::arg("mmap") = true, py::arg("batch_invariant") = false)
         .def("close", &Model::close)
         .def("tokenize", &Model::tokenize, py::arg("text"), py::arg("add_special") = true,
              py::arg("parse_special") = false)

@@ -125,9 +125,11 @@ public:
     // repack: the fork's run-time repacking of weights into its interleaved layouts, where a type
     // has one (llama-server's -rtr; it loads the weights into memory of their own). mmap: map the
     // file's pages instead of reading the weights into memory of their own (--no-mmap: false).
+    // batch_invariant: results that do not depend on the batch's row count (llama-server's
+    // --batch-invariant).
     Model(const std::string & path, int n_ctx, int n_threads, int n_gpu_layers, int n_batch, bool repack = false,
-          bool mmap = true)
-        : path_(path) {
+          bool mmap = true, bool batch_invariant = false)
+        : path_(path), batch_invariant_(batch_invariant) {
         check_model_file(path);
         if (n_ctx < 1) {
             throw py::value_error("n_ctx must be at least 1, got " + std::to_string(n_ctx));
@@ -149,6 +151,7 @@ public:
         cparams.n_batch = std::min(n_batch, n_ctx);
         cparams.n_ubatch = cparams.n_batch;
         cparams.n_threads = cparams.n_threads_batch = n_threads > 0 ? n_threads : default_threads();
+        cparams.batch_invariant = batch_invariant;
         {
             py::gil_scoped_release release;
             ctx_ = llama_init_from_model(model_, cparams);
@@ -263,6 +266,8 @@ public:
     int n_layer() const { ensure_open(); return llama_n_layer(model_); }
     int n_ctx() const { ensure_open(); return (int) llama_n_ctx(ctx_); }
     const std::string & path() const { return path_; }
+    // contexts made for this model beside its own (generate_many's) follow it
+    bool batch_invariant() const { return batch_invariant_; }
 
     std::string meta(const std::string & key) const {
         ensure_open();
@@ -364,6 +369,7 @@ public:
 
 private:
     std::string path_;
+    bool batch_invariant_ = false;
     llama_model * model_ = nullptr;
     llama_context * ctx_ = nullptr;
     int users_ = 0;     // changed with the GIL held

@@ -72,6 +72,7 @@ std::vector<std::vector<llama_token>> generate_answers(Model & model, const std:
     cparams.n_ctx = (uint32_t) n_parallel * per_sequence;
     cparams.n_batch = cparams.n_ubatch = std::max<uint32_t>(512, (uint32_t) longest + n_parallel);
     cparams.n_threads = cparams.n_threads_batch = n_threads > 0 ? n_threads : default_threads();
+    cparams.batch_invariant = model.batch_invariant();
     std::vector<std::vector<llama_token>> answers(prompts.size());
     const std::string error = model.exclusive([&]() -> std::string {
         std::unique_ptr<llama_context, decltype(&llama_free)> ctx(llama_init_from_model(model.raw_model(), cparams),

@@ -130,7 +130,7 @@ class Engine:
     """A target GGUF and, optionally, a DFlash draft GGUF, loaded in the fork.
 
     Model parameters: ``n_gpu_layers``, ``repack`` (see Model). Context parameters: ``n_ctx``
-    (target context), ``n_batch``, ``n_threads``. DFlash parameters: ``cross_ctx`` (context
+    (target context), ``n_batch``, ``n_threads``, ``batch_invariant`` (see Model). DFlash parameters: ``cross_ctx`` (context
     rows the draft's full-attention layers keep; default: follow ``n_ctx``, so a sliding window
     can engage), ``full_attention`` (run every draft layer as full attention, for validation),
     ``n_gpu_layers_draft`` (where the draft runs: -1 follows the target's output layer, 0 the
@@ -140,11 +140,13 @@ class Engine:
     def __init__(self, target: str | os.PathLike[str], draft: str | os.PathLike[str] | None = None, *,
                  n_ctx: int = 4096, cross_ctx: int | None = None, n_gpu_layers: int = 0,
                  n_threads: int | None = None, n_batch: int = 512, full_attention: bool = False,
-                 n_gpu_layers_draft: int = -1, repack: bool | None = None, verbose: bool = False) -> None:
+                 n_gpu_layers_draft: int = -1, repack: bool | None = None, batch_invariant: bool = False,
+                 verbose: bool = False) -> None:
         if cross_ctx is not None and cross_ctx < 1:
             raise ValueError(f"cross_ctx must be at least 1, got {cross_ctx}")
         self.target = Model(target, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
-                            n_gpu_layers=n_gpu_layers, repack=repack, verbose=verbose)
+                            n_gpu_layers=n_gpu_layers, repack=repack, batch_invariant=batch_invariant,
+                            verbose=verbose)
         self.draft = self._native = None
         try:
             if draft:

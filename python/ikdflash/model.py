@@ -34,7 +34,10 @@ class Model:
     Context parameters: ``n_ctx`` (tokens of context), ``n_batch`` (prompt tokens per
     forward pass), ``n_threads`` (CPU threads; None = up to 8, one per core). ``repack``: the
     fork's run-time repacking of CPU weights into row-interleaved layouts (llama-server's
-    ``-rtr``); None: where it keeps results exact (``repack_by_default``).
+    ``-rtr``); None: where it keeps results exact (``repack_by_default``). ``batch_invariant``:
+    each position's logits do not depend on how many positions a forward pass holds, so a prompt
+    read in one pass gives the logits it gives token by token (llama-server's
+    ``--batch-invariant``; CPU only, prompts read slower: docs/dflash.md#batch-invariance).
 
     Raises FileNotFoundError for a missing file and ValueError, naming the file and the
     loader's reason, for anything the fork cannot load. Close it with ``close()``, ``with``,
@@ -43,12 +46,13 @@ class Model:
 
     def __init__(self, path: str | os.PathLike[str], *, n_ctx: int = 512, n_batch: int = 512,
                  n_threads: int | None = None, n_gpu_layers: int = 0, repack: bool | None = None,
-                 verbose: bool = False) -> None:
+                 batch_invariant: bool = False, verbose: bool = False) -> None:
         _core.set_verbose(verbose)
         if repack is None:
             repack = repack_by_default(path, n_gpu_layers)
         self._native = _core.Model(os.fspath(path), n_ctx=n_ctx, n_threads=n_threads or 0,
-                                   n_gpu_layers=n_gpu_layers, n_batch=n_batch, repack=repack)
+                                   n_gpu_layers=n_gpu_layers, n_batch=n_batch, repack=repack,
+                                   batch_invariant=batch_invariant)
         self.repacked = repack
         """Whether the weights were repacked at load."""
         self._n_threads = n_threads or 0
