@@ -85,6 +85,9 @@ def test_dry_run_prints_the_command(pair):
     assert "-rtr" not in fixed.stdout.split()  # F32 weights: nothing repacked by default (repack_by_default)
     repacked = serve("--target", str(target), "--draft", str(draft), "--repack", "--dry-run")
     assert repacked.returncode == 0 and "-rtr" in repacked.stdout.split()
+    invariant = serve("--target", str(target), "--draft", str(draft), "--parallel", "4", "--batch-invariant",
+                      "--dry-run")
+    assert invariant.returncode == 0 and "--parallel 4 --batch-invariant" in invariant.stdout
 
 
 def test_warns_when_the_window_cannot_engage(tiny_model, tiny_draft):

@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draft placement (-ngld): default follows the target's output layer, "
                              "0 keeps it on the CPU")
     parser.add_argument("--parallel", type=int, default=1, help="slots serving requests at once (default 1)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="a reply does not depend on the other slots' requests (CPU; slower: "
+                             "docs/dflash.md#batch-invariance)")
     parser.add_argument("--rpc", metavar="HOST:PORT,...",
                         help="RPC workers (ikdflash rpc-worker) that hold the offloaded target layers (--gpu-layers); "
                              "keep the output layer here (--gpu-layers <= the target's layer count): the draft "
@@ -81,6 +84,8 @@ def build_server(args: argparse.Namespace) -> Server:
     extra = ["--model-draft", str(args.draft.resolve()), "--spec-type", spec.flag()]
     if args.parallel != 1:
         extra += ["--parallel", str(args.parallel)]
+    if args.batch_invariant:
+        extra.append("--batch-invariant")
     if args.alias:
         extra += ["--alias", args.alias]
     if args.gpu_layers is not None:
