@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ikdflash import Model, Server, ServerError
-from ikdflash.serving.client import post_json, post_json_concurrently
+from ikdflash.serving.client import post_json_concurrently
 from ikdflash.serving.spectype import SpecType
 from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
 
@@ -102,8 +102,7 @@ def replies(target, slots: int, bodies: list[dict], tmp_path, name: str, extra: 
         route = url + "/v1/chat/completions"
         out: list[dict] = []
         for at in range(0, len(bodies), slots):
-            out += post_json_concurrently(route, bodies[at:at + slots]) if slots > 1 else \
-                [post_json(route, b) for b in bodies[at:at + slots]]
+            out += post_json_concurrently(route, bodies[at:at + slots])
     return out
 
 
