@@ -295,6 +295,40 @@ def test_rows_that_cost_nothing_are_drafted_beside_any_load():
     assert ctl.plan(4, (15, 15.0, 0.03)) == (4, 4) and ctl.stats()["n_load_plain"] == 0
 
 
+# (passes per row count, draft step, the others' rows, tokens and draft ms): probes expected?
+PROBE_CASES = {
+    # a pass costs the same up to 8 rows, a draft step as much: a draft kept 90% of the time
+    # would pay alone and beside one slot's token, not beside three slots' tokens
+    "alone": ([1.0] * 8, 1.0, None, True),
+    "light": ([1.0] * 8, 1.0, (1, 1.0, 0.0), True),
+    "busy": ([1.0] * 8, 1.0, (3, 3.0, 0.0), False),
+    # a cheap draft step: the prior alone pays, a block beside three slots' tokens does not
+    "held": ([1.0] * 5 + [3.0] * 3, 0.2, (3, 3.0, 0.0), False),
+}
+
+
+@pytest.mark.parametrize("case", PROBE_CASES)
+def test_probes_only_where_their_answer_could_change_k(case):
+    """A probe asks whether the draft turned right; beside other slots its draft step delays
+    their tokens too. A slot probes alone and beside a light load, not where even a draft kept
+    90% of the time would not pay, nor where only the load holds it at one token a step. With a
+    draft step as dear as a pass, probes cost their 1% share alone every 100 steps, beside one
+    slot every 200."""
+    passes, draft, others, probes = PROBE_CASES[case]
+    ctl = BlockController(4, passes, draft)
+    plans = [ctl.plan(4, others) for _ in range(300)]
+    assert all(verified == 0 for _, verified in plans)
+    probed_at = [step for step, (drafted, _) in enumerate(plans) if drafted > 0]
+    assert bool(probed_at) == probes and len(probed_at) == ctl.stats()["n_probes"], ctl.stats()
+    assert ctl.stats()["n_load_plain"] == (300 if case == "held" else 0)
+    # alone a new request is probed at its first plain step; beside another slot, whose tokens
+    # each probe delays too, not before the interval that keeps probes at their share of the time
+    if case == "alone":
+        assert probed_at[0] == 0
+    elif probes:
+        assert probed_at[0] >= 100, probed_at
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"n_max": -1, "pass_ms": [1.0], "draft_ms": 1.0}, "n_max must be in 0..63"),
     ({"n_max": 2, "pass_ms": [1.0, 1.0], "draft_ms": 1.0}, "1..3 rows at least"),

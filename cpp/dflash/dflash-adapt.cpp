@@ -302,8 +302,13 @@ struct dflash_adapt {
     // A fresh sequence or request: its first plain step probes (fixed mode never probes).
     double fresh_evidence() const { return costs != nullptr ? std::log((double) longest_interval()) : 0.0; }
 
+    // A new request starts with the evidence that probes it at its first plain step (reset).
+    // Beside other sequences that start counts for nothing: each probe delays their tokens too,
+    // and a new request's probes there came 2-3 times as often as the budget's interval, so only
+    // hits past it shorten the interval.
     int probe_interval(const dflash_load::part & others) const {
-        return std::max(1, (int) (longest_interval(others) * std::exp(-turned_right)));
+        const double evidence = others.rows > 0 ? std::max(0.0, turned_right - fresh_evidence()) : turned_right;
+        return std::max(1, (int) (longest_interval(others) * std::exp(-evidence)));
     }
 
     double acceptance(int j) const {  // P(token j kept | tokens before it kept), j = 1..n_max
@@ -395,7 +400,15 @@ struct dflash_adapt {
                 hits[j] += k_plain_return * (seen[j] * slow_hits[j] / slow_seen[j] - hits[j]);
             }
         }
-        if (++since_probe < probe_interval(others)) {
+        // A probe asks whether the draft turned right, and beside other sequences its draft step
+        // delays their tokens too. It has nothing to ask there when the draft already looks right
+        // (held at k = 0 by the load alone, the sequence drafts again once the load eases; with
+        // the cap on a hit's news, probes that hit kept a held sequence probing every few steps),
+        // nor when even a draft kept k_turned_right_p of the time would not pay beside the
+        // others' rows. Alone, probing is as before.
+        const int k_if_right = best_k(n_limit, [](int) { return k_turned_right_p; }, others);
+        const bool nothing_to_ask = held_by_load || (others.rows > 0 && k_if_right == 0);
+        if (++since_probe < probe_interval(others) || nothing_to_ask) {
             return {0, 0};
         }
         since_probe = 0;
@@ -405,10 +418,7 @@ struct dflash_adapt {
         // position were kept that often, so the later positions get measured too. Where one draft
         // does not pay but several do (a tiny target's passes cost mostly their overhead),
         // one-token probes kept k at 0 for good.
-        if (turned_right > fresh_evidence()) {
-            return {std::max(1, best_k(n_limit, [](int) { return k_turned_right_p; }, others)), 0};
-        }
-        return {1, 0};
+        return {turned_right > fresh_evidence() ? std::max(1, k_if_right) : 1, 0};
     }
 
     void observe(int j, bool kept) {
