@@ -108,8 +108,10 @@ def small_tree(folder: Path, files: dict[str, str]) -> Path:
 
 
 def test_check_onto_says_which_patches_apply_conflict_or_are_there(basetree, tmp_path):
-    """Three patches on a small base, checked onto a tree that has the first one's change and a
-    change of its own where the second one edits: already there, a conflict, clean."""
+    """Four patches on a small base, checked onto a tree that has the first one's change and a
+    change of its own where the second one edits: already there, a conflict, clean, and a second
+    edit of the conflicting line, which applies because the conflicting patch went in as it has
+    its region (alone it conflicts too)."""
     lines = "".join(f"line {i}\n" for i in range(20))
     base = small_tree(tmp_path / "base", {"a.txt": "one\n" + lines, "b.txt": lines + "two\n"})
     work = tmp_path / "work"
@@ -119,24 +121,28 @@ def test_check_onto_says_which_patches_apply_conflict_or_are_there(basetree, tmp
     git("init", "-q")
     git("add", "-A")
     git("commit", "-qm", "base")
-    for name, edit in (("a.txt", ("one", "ONE")), ("b.txt", ("two", "TWO"))):
-        (work / name).write_text((work / name).read_text().replace(*edit))
-        git("commit", "-qam", f"change {name}")
+    (work / "a.txt").write_text((work / "a.txt").read_text().replace("one", "ONE"))
+    git("commit", "-qam", "change a.txt")
+    (work / "b.txt").write_text((work / "b.txt").read_text().replace("two", "TWO"))
+    git("commit", "-qam", "change b.txt")
     (work / "c.txt").write_text("new\n")
     git("add", "c.txt")
     git("commit", "-qm", "add c.txt")
+    (work / "b.txt").write_text((work / "b.txt").read_text().replace("TWO", "TWO!"))
+    git("commit", "-qam", "change b.txt again")
     for old in basetree.PATCH_DIR.glob("*.patch"):
         old.unlink()
-    git("format-patch", "-q", "--zero-commit", "-o", str(basetree.PATCH_DIR), "HEAD~3")
+    git("format-patch", "-q", "--zero-commit", "-o", str(basetree.PATCH_DIR), "HEAD~4")
     basetree.SERIES_FILE.write_text("".join(p.name + "\n" for p in sorted(basetree.PATCH_DIR.glob("*.patch"))))
     other = small_tree(tmp_path / "other", {"a.txt": "ONE\n" + lines, "b.txt": lines + "deux\n"})
 
     fates = basetree.check_onto(other, str(base))
     assert [(f.fate, f.alone) for f in fates] == [("upstream", "upstream"), ("conflict", "conflict"),
-                                                  ("clean", "clean")]
-    assert fates[1].detail == "b.txt (1 region)"
+                                                  ("clean", "clean"), ("clean", "conflict")]
+    assert fates[1].detail == "b.txt (1 region, 1 of its lines)" and (fates[1].regions, fates[1].lines) == (1, 1)
     table = basetree.fate_table(fates, "other")
-    assert "1 apply, 1 are already there, 1 conflict" in table and table.count("\n| 000") == 3
+    assert "2 apply, 1 are already there, 1 conflict, in 1 region holding 1 of the patches' lines" in table
+    assert table.count("\n| 000") == 4
 
 
 def test_cli_reports_errors_without_a_traceback(tmp_path):

@@ -271,6 +271,8 @@ class PatchFate:
     fate: str    # in the replay: "clean" (applies, 3-way merged if need be), "upstream" (already there), "conflict"
     detail: str  # for a conflict: the files and their conflict regions, or git's reason
     alone: str = ""  # the fate of the patch applied by itself to the other base (earlier ones left out)
+    regions: int = 0  # conflict regions in the replay
+    lines: int = 0    # the patch's lines in them: what a person places again by hand
 
 
 def place_other(other: Path, dest: Path) -> None:
@@ -294,32 +296,89 @@ def place_other(other: Path, dest: Path) -> None:
         copy_checkout(root, dest)
 
 
-def conflict_regions(repo: Path) -> str:
-    files = run_git(["diff", "--name-only", "--diff-filter=U"], cwd=repo, check=False).stdout.split()
-    counts = [(f, sum(line.startswith("<<<<<<< ") for line in (repo / f).read_text(errors="replace").splitlines()))
-              for f in files]
-    return ", ".join(f"{f} ({n} region{'s' * (n != 1)})" for f, n in counts)
+def conflict_blocks(text: str) -> list[tuple[list[str], list[str]]]:
+    """The conflict blocks of a 3-way merged file: (this base's lines, the patch's lines) each."""
+    blocks, side, ours, theirs = [], None, [], []
+    for line in text.splitlines(keepends=True):
+        if line.startswith("<<<<<<< "):
+            side, ours, theirs = "ours", [], []
+        elif side == "ours" and line.startswith("======="):
+            side = "theirs"
+        elif side == "theirs" and line.startswith(">>>>>>> "):
+            blocks.append((ours, theirs))
+            side = None
+        elif side is not None:
+            (ours if side == "ours" else theirs).append(line)
+    return blocks
 
 
-def try_patch(repo: Path, patch: Path) -> tuple[str, str]:
-    """(fate, detail) of one patch on the repository's HEAD, committed when it applies."""
+def conflicted_files(repo: Path) -> list[str]:
+    return run_git(["diff", "--name-only", "--diff-filter=U"], cwd=repo, check=False).stdout.split()
+
+
+def conflict_regions(repo: Path) -> tuple[str, int, int]:
+    """(the conflicted files with their regions and the patch's lines in them, regions, lines).
+    The patch's side is what a person places again by hand; this base's side can be a whole
+    rewritten function. A file this base lacks (one an earlier patch creates) has no regions."""
+    parts, n_regions, n_lines = [], 0, 0
+    for f in conflicted_files(repo):
+        if not (repo / f).exists() or run_git(["cat-file", "-e", f"HEAD:{f}"], cwd=repo, check=False).returncode:
+            parts.append(f"{f} (not on this base)")
+            continue
+        blocks = conflict_blocks((repo / f).read_text(errors="replace"))
+        lines = sum(len(theirs) for _, theirs in blocks)
+        parts.append(f"{f} ({len(blocks)} region{'s' * (len(blocks) != 1)}, {lines} of its lines)")
+        n_regions, n_lines = n_regions + len(blocks), n_lines + lines
+    return ", ".join(parts), n_regions, n_lines
+
+
+def take_the_patchs_side(repo: Path) -> None:
+    """Resolve a stopped `git am` as the patch has it: each conflict region becomes the patch's
+    lines, a file this base lacks the patch's version; then commit the patch."""
+    for f in conflicted_files(repo):
+        path = repo / f
+        if not path.exists() or run_git(["cat-file", "-e", f"HEAD:{f}"], cwd=repo, check=False).returncode:
+            run_git(["checkout", "--theirs", "--", f], cwd=repo, check=False)
+        else:
+            out, side = [], None
+            for line in path.read_text(errors="replace").splitlines(keepends=True):
+                if line.startswith("<<<<<<< "):
+                    side = "ours"
+                elif side == "ours" and line.startswith("======="):
+                    side = "theirs"
+                elif side == "theirs" and line.startswith(">>>>>>> "):
+                    side = None
+                elif side != "ours":
+                    out.append(line)
+            path.write_text("".join(out))
+        run_git(["add", "--", f], cwd=repo)
+    run_git(["am", "--continue"], cwd=repo, check=False)
+
+
+def try_patch(repo: Path, patch: Path, carry_on: bool = False) -> tuple[str, str, int, int]:
+    """(fate, detail, conflict regions, lines in them) of one patch on the repository's HEAD,
+    committed when it applies; with carry_on, a conflicting patch is committed too, as the patch
+    has each conflicting region, so the patches after it meet only their own conflicts."""
     if run_git(["apply", "--reverse", "--check", str(patch)], cwd=repo, check=False).returncode == 0:
-        return "upstream", "its change is already there (it reverses cleanly)"
+        return "upstream", "its change is already there (it reverses cleanly)", 0, 0
     result = run_git(["am", "-q", "--keep", "--3way", str(patch)], cwd=repo, check=False)
     if result.returncode == 0:
-        return "clean", ""
-    why = conflict_regions(repo) or next(
-        (line for line in result.stdout.splitlines() if line.startswith(("error:", "fatal:"))), "")
-    run_git(["am", "--abort"], cwd=repo, check=False)
-    return "conflict", why
+        return "clean", "", 0, 0
+    why, n_regions, n_lines = conflict_regions(repo)
+    why = why or next((line for line in result.stdout.splitlines() if line.startswith(("error:", "fatal:"))), "")
+    if carry_on and conflicted_files(repo):
+        take_the_patchs_side(repo)
+    else:
+        run_git(["am", "--abort"], cwd=repo, check=False)
+    return "conflict", why, n_regions, n_lines
 
 
 def check_onto(other: Path, source: str | None) -> list[PatchFate]:
     """Replay the series on another base in a scratch repository: each patch is already there (it
     reverses cleanly), applies (with a 3-way merge against the pinned base's files where the
-    context moved), or conflicts; a conflicting patch is left out and the next one goes on. Each
-    patch is also tried alone on the other base, which tells its own conflicts from those of a
-    patch it builds on."""
+    context moved), or conflicts; a conflicting patch goes in as it has each conflicting region
+    (a stand-in for a person's resolution), so the patches after it meet their own conflicts, not
+    those of a patch they build on. Each patch is also tried alone on the other base."""
     pin = read_pin()
     with tempfile.TemporaryDirectory(prefix="ikdflash-check-") as tmp:
         repo = Path(tmp)
@@ -346,19 +405,24 @@ def check_onto(other: Path, source: str | None) -> list[PatchFate]:
         for patch in patch_series():
             alone[patch.name] = try_patch(repo, patch)[0]
             run_git(["reset", "-q", "--hard", "other-base"], cwd=repo)
-        fates = [PatchFate(patch.name, *try_patch(repo, patch), alone=alone[patch.name]) for patch in patch_series()]
+        fates = []
+        for patch in patch_series():
+            fate, detail, regions, lines = try_patch(repo, patch, carry_on=True)
+            fates.append(PatchFate(patch.name, fate, detail, alone[patch.name], regions, lines))
     return fates
 
 
 def fate_table(fates: list[PatchFate], other: str) -> str:
     counts = {fate: sum(f.fate == fate for f in fates) for fate in ("clean", "upstream", "conflict")}
-    own = sum(f.fate == "conflict" and f.alone == "conflict" for f in fates)
-    lines = [f"The series ({len(fates)} patches) replayed onto {other}: {counts['clean']} apply, "
-             f"{counts['upstream']} are already there, {counts['conflict']} conflict ({own} of them also alone; "
-             f"the others only where a patch they build on was left out).", "",
-             "| patch | replayed | alone | conflicts in the replay |", "| --- | --- | --- | --- |"]
-    lines += [f"| {f.name.removesuffix('.patch')} | {f.fate} | {f.alone} | {f.detail} |" for f in fates]
-    return "\n".join(lines) + "\n"
+    regions, lines = sum(f.regions for f in fates), sum(f.lines for f in fates)
+    lines_out = [f"The series ({len(fates)} patches) replayed onto {other}: {counts['clean']} apply, "
+                 f"{counts['upstream']} are already there, {counts['conflict']} conflict, in {regions} "
+                 f"region{'s' * (regions != 1)} "
+                 f"holding {lines} of the patches' lines (each conflicting patch goes in as it has them, so "
+                 f"the patches after it meet only their own).", "",
+                 "| patch | replayed | alone | conflicts in the replay |", "| --- | --- | --- | --- |"]
+    lines_out += [f"| {f.name.removesuffix('.patch')} | {f.fate} | {f.alone} | {f.detail} |" for f in fates]
+    return "\n".join(lines_out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
