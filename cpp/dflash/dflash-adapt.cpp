@@ -400,6 +400,9 @@ struct dflash_adapt {
                 hits[j] += k_plain_return * (seen[j] * slow_hits[j] / slow_seen[j] - hits[j]);
             }
         }
+        if (++since_probe < probe_interval(others)) {
+            return {0, 0};
+        }
         // A probe asks whether the draft turned right, and beside other sequences its draft step
         // delays their tokens too. It has nothing to ask there when the draft already looks right
         // (held at k = 0 by the load alone, the sequence drafts again once the load eases; with
@@ -407,8 +410,7 @@ struct dflash_adapt {
         // nor when even a draft kept k_turned_right_p of the time would not pay beside the
         // others' rows. Alone, probing is as before.
         const int k_if_right = best_k(n_limit, [](int) { return k_turned_right_p; }, others);
-        const bool nothing_to_ask = held_by_load || (others.rows > 0 && k_if_right == 0);
-        if (++since_probe < probe_interval(others) || nothing_to_ask) {
+        if (held_by_load || (others.rows > 0 && k_if_right == 0)) {
             return {0, 0};
         }
         since_probe = 0;

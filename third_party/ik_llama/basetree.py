@@ -296,24 +296,32 @@ def place_other(other: Path, dest: Path) -> None:
         copy_checkout(root, dest)
 
 
-def conflict_blocks(text: str) -> list[tuple[list[str], list[str]]]:
-    """The conflict blocks of a 3-way merged file: (this base's lines, the patch's lines) each."""
-    blocks, side, ours, theirs = [], None, [], []
+def conflict_segments(text: str) -> list:
+    """A 3-way merged file's text in order: plain lines, and for each conflict block a tuple
+    (this base's lines, the patch's lines)."""
+    segments, side, ours, theirs = [], None, [], []
     for line in text.splitlines(keepends=True):
         if line.startswith("<<<<<<< "):
             side, ours, theirs = "ours", [], []
         elif side == "ours" and line.startswith("======="):
             side = "theirs"
         elif side == "theirs" and line.startswith(">>>>>>> "):
-            blocks.append((ours, theirs))
+            segments.append((ours, theirs))
             side = None
         elif side is not None:
             (ours if side == "ours" else theirs).append(line)
-    return blocks
+        else:
+            segments.append(line)
+    return segments
 
 
 def conflicted_files(repo: Path) -> list[str]:
     return run_git(["diff", "--name-only", "--diff-filter=U"], cwd=repo, check=False).stdout.split()
+
+
+def absent_from_base(repo: Path, f: str) -> bool:
+    """Whether a conflicted file is one this base lacks (an earlier patch creates it)."""
+    return not (repo / f).exists() or run_git(["cat-file", "-e", f"HEAD:{f}"], cwd=repo, check=False).returncode != 0
 
 
 def conflict_regions(repo: Path) -> tuple[str, int, int]:
@@ -322,10 +330,10 @@ def conflict_regions(repo: Path) -> tuple[str, int, int]:
     rewritten function. A file this base lacks (one an earlier patch creates) has no regions."""
     parts, n_regions, n_lines = [], 0, 0
     for f in conflicted_files(repo):
-        if not (repo / f).exists() or run_git(["cat-file", "-e", f"HEAD:{f}"], cwd=repo, check=False).returncode:
+        if absent_from_base(repo, f):
             parts.append(f"{f} (not on this base)")
             continue
-        blocks = conflict_blocks((repo / f).read_text(errors="replace"))
+        blocks = [s for s in conflict_segments((repo / f).read_text(errors="replace")) if isinstance(s, tuple)]
         lines = sum(len(theirs) for _, theirs in blocks)
         parts.append(f"{f} ({len(blocks)} region{'s' * (len(blocks) != 1)}, {lines} of its lines)")
         n_regions, n_lines = n_regions + len(blocks), n_lines + lines
@@ -336,21 +344,11 @@ def take_the_patchs_side(repo: Path) -> None:
     """Resolve a stopped `git am` as the patch has it: each conflict region becomes the patch's
     lines, a file this base lacks the patch's version; then commit the patch."""
     for f in conflicted_files(repo):
-        path = repo / f
-        if not path.exists() or run_git(["cat-file", "-e", f"HEAD:{f}"], cwd=repo, check=False).returncode:
+        if absent_from_base(repo, f):
             run_git(["checkout", "--theirs", "--", f], cwd=repo, check=False)
         else:
-            out, side = [], None
-            for line in path.read_text(errors="replace").splitlines(keepends=True):
-                if line.startswith("<<<<<<< "):
-                    side = "ours"
-                elif side == "ours" and line.startswith("======="):
-                    side = "theirs"
-                elif side == "theirs" and line.startswith(">>>>>>> "):
-                    side = None
-                elif side != "ours":
-                    out.append(line)
-            path.write_text("".join(out))
+            segments = conflict_segments((repo / f).read_text(errors="replace"))
+            (repo / f).write_text("".join("".join(s[1]) if isinstance(s, tuple) else s for s in segments))
         run_git(["add", "--", f], cwd=repo)
     run_git(["am", "--continue"], cwd=repo, check=False)
 
