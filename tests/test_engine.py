@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -122,7 +123,8 @@ def test_context_limit_and_max_tokens(pairs):
         assert len(prompt) + len(out.tokens) == engine.target.n_ctx  # the fork may round n_ctx up
         assert out.tokens == engine.generate(prompt, max_tokens=500).tokens
         assert len(engine.speculate(prompt, max_tokens=3, n_max=4).tokens) == 3
-        assert engine.speculate(prompt, max_tokens=0, n_max=4).tokens == []
+        with pytest.raises(ValueError, match="max_tokens must be at least 1, got 0"):
+            engine.speculate(prompt, max_tokens=0, n_max=4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
@@ -147,10 +149,10 @@ def test_the_draft_runs_where_the_target_keeps_its_head(pairs, arch):
 
 def test_bad_arguments(pairs):
     target, draft = pairs["llama"]
-    with pytest.raises(ValueError, match="cross_ctx must be at least 1"):
-        Engine(target, draft, cross_ctx=0)
+    with pytest.raises(ValueError, match=re.escape("cross_ctx must be >= 0 (0: the target's context), got -1")):
+        Engine(target, draft, cross_ctx=-1)
     with Engine(target, draft, n_ctx=64) as engine:
-        with pytest.raises(ValueError, match="n_max must be at least 1"):
+        with pytest.raises(ValueError, match=re.escape("n_max must be in 1..15 (what one draft pass proposes)")):
             engine.speculate("hi", n_max=0)
         with pytest.raises(ValueError, match="temperature must be >= 0"):
             engine.speculate("hi", temperature=-1)

@@ -261,7 +261,7 @@ def test_ctx_size_draft_sets_the_history(swa_pairs, tmp_path, flags):
 
 @pytest.mark.parametrize("spec,extra,message", [
     ("dflash:n_max=4,colour=red", True, "unknown key 'colour'"),
-    ("dflash:cross_ctx=0", True, "cross_ctx must be at least 1, got 0"),
+    ("dflash:cross_ctx=-1", True, "cross_ctx must be at least 0, got -1"),
     ("dflash:n_max=four", True, "n_max=four is not an integer"),
     ("dflash:min_accept=2", True, "min_accept must be a number in [0, 1], got '2'"),
     ("dflash:adaptive=2", True, "adaptive must be 0 or 1, got '2'"),

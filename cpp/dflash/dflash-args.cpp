@@ -69,7 +69,7 @@ int dflash_parse_spec_options(const char * text, dflash_spec_options * options) 
             } else if (key == "min_accept") {
                 options->min_accept = parse_fraction(key, value);
             } else if (key == "cross_ctx" || key == "dflash_cross_ctx") {
-                options->cross_ctx = (int32_t) parse_int(key, value, 1);
+                options->cross_ctx = (int32_t) parse_int(key, value, 0);  // 0: the slot's context
             } else if (key == "full_attention") {
                 options->full_attention = parse_flag(key, value);
             } else if (key == "log_drafts") {

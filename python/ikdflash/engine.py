@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence, overload
 
-from ikdflash import _core
+from ikdflash import _core, rules
 from ikdflash.chat import CHATML, messages_of, render
 from ikdflash.model import Model
 from ikdflash.streaming import TextDecoder, TextStream
@@ -88,9 +88,10 @@ class Sampling:
     logprobs: int = 0
 
     def __post_init__(self) -> None:
-        checks = [("temperature", self.temperature >= 0, ">= 0"), ("top_k", self.top_k >= 0, ">= 0 (0: off)"),
-                  ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1: off)"), ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
-                  ("repeat_penalty", self.repeat_penalty > 0, "> 0 (1: off)"),
+        for check in (rules.temperature, rules.top_k, rules.top_p, rules.min_p):
+            check(getattr(self, check.__name__))
+        object.__setattr__(self, "seed", rules.seed(self.seed))  # -1: a random one, drawn here
+        checks = [("repeat_penalty", self.repeat_penalty > 0, "> 0 (1: off)"),
                   ("repeat_last_n", self.repeat_last_n >= 0, ">= 0"), ("logprobs", self.logprobs >= 0, ">= 0")]
         for name, ok, rule in checks:
             if not ok:
@@ -142,8 +143,7 @@ class Engine:
                  n_threads: int | None = None, n_batch: int = 512, full_attention: bool = False,
                  n_gpu_layers_draft: int = -1, repack: bool | None = None, batch_invariant: bool = False,
                  verbose: bool = False) -> None:
-        if cross_ctx is not None and cross_ctx < 1:
-            raise ValueError(f"cross_ctx must be at least 1, got {cross_ctx}")
+        rules.cross_ctx(cross_ctx)
         self.target = Model(target, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
                             n_gpu_layers=n_gpu_layers, repack=repack, batch_invariant=batch_invariant,
                             verbose=verbose)
@@ -215,13 +215,14 @@ class Engine:
                   repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
                   ) -> TextStream: ...
 
-    def speculate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int = 4,
+    def speculate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int | None = None,
                   adaptive: bool = True, stop: Sequence[str] = (), stream: bool = False,
                   temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
                   min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
                   repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
                   logprobs: int = _S.logprobs) -> SpeculationResult | TextStream:
-        """Generate with DFlash: draft up to n_max tokens per step (capped at block_size - 1).
+        """Generate with DFlash: draft up to n_max tokens per step, 1 up to what one draft pass
+        proposes (block_size - 1; default 4, or that when fewer).
         ``adaptive``: each step verifies as many of them as pay, from the acceptance measured per
         draft position and this machine's pass costs (none when drafting does not pay); False:
         every step verifies n_max. ``stop``: strings that end the text (not included).
@@ -229,8 +230,7 @@ class Engine:
         keywords are Sampling's."""
         if self.draft is None:
             raise ValueError("speculate() needs a draft model; use generate() for the target alone")
-        if n_max < 1:
-            raise ValueError(f"n_max must be at least 1, got {n_max}")
+        n_max = rules.n_max(n_max, self.block_size - 1)
         return self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, stream, adaptive)
 
     @overload
@@ -271,17 +271,18 @@ class Engine:
                   ) -> TextStream: ...
 
     def chat(self, messages: Sequence[Mapping[str, str] | tuple[str, str]], *, max_tokens: int = 256,
-             n_max: int = 4, adaptive: bool = True, stop: Sequence[str] = (), stream: bool = False,
+             n_max: int | None = None, adaptive: bool = True, stop: Sequence[str] = (), stream: bool = False,
              temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
              min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
              repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
              logprobs: int = _S.logprobs) -> SpeculationResult | TextStream:
         """Answer a conversation ({"role", "content"} dicts or (role, content) pairs) in the
         target's own chat template (ChatML when the GGUF has none), as llama-server's Jinja path
-        renders it. With the target alone when the engine has no draft."""
+        renders it. With the target alone when the engine has no draft, or with n_max 0; n_max
+        as for stream()."""
         sampling = Sampling.of(locals())
-        return self._run(self.chat_tokens(messages), max_tokens, n_max if self.draft else 0, sampling, stop, stream,
-                         adaptive)
+        n_max = rules.n_max(n_max, self.block_size - 1, zero_is_target_alone=True) if self.draft else 0
+        return self._run(self.chat_tokens(messages), max_tokens, n_max, sampling, stop, stream, adaptive)
 
     def chat_tokens(self, messages: Sequence[Mapping[str, str] | tuple[str, str]]) -> list[int]:
         """The prompt chat() sends: the conversation in the target's template, ready for its reply."""
@@ -292,16 +293,20 @@ class Engine:
         text = render(template, messages_of(messages), add_generation_prompt=True)
         return self.target.tokenize(text, add_special=False, parse_special=True)
 
-    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int = 4,
+    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int | None = None,
                adaptive: bool = True, stop: Sequence[str] = (),
                temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
                min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
                repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
                logprobs: int = _S.logprobs) -> TextStream:
-        """Text pieces as each step commits them (n_max 0: the target alone); the stream's
-        ``result`` has the tokens, statistics and finish_reason once it is exhausted."""
-        if n_max > 0 and self.draft is None:
-            raise ValueError("this engine has no draft: stream with n_max=0")
+        """Text pieces as each step commits them; n_max as for speculate(), or 0: the target
+        alone (the default without a draft). The stream's ``result`` has the tokens, statistics
+        and finish_reason once it is exhausted."""
+        if self.draft is None:
+            if n_max:
+                raise ValueError("this engine has no draft: stream with n_max=0")
+            n_max = 0
+        n_max = rules.n_max(n_max, self.block_size - 1, zero_is_target_alone=True)
         stream = self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, True, adaptive)
         assert isinstance(stream, TextStream)
         return stream
@@ -312,6 +317,7 @@ class Engine:
             raise ValueError("the engine is closed")
         if not isinstance(adaptive, bool):
             raise TypeError(f"adaptive must be True or False, got {adaptive!r}")
+        rules.max_tokens(max_tokens)
         tokens = self.target.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         decoder = TextDecoder(self.target.detokenize, [stop] if isinstance(stop, str) else stop)
         options = dataclasses.asdict(sampling)

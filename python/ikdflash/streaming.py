@@ -86,7 +86,8 @@ class TextStream:
         self.result: SpeculationResult | None = None
         self._decoder, self._finish = decoder, finish
         self._pieces: queue.Queue = queue.Queue()
-        self._closed = False
+        self._closed = False  # asked to end early
+        self._ended = False   # the worker's result or failure has been taken
 
         def on_commit(tokens: list[int]) -> bool:
             piece = decoder.feed(tokens)
@@ -104,22 +105,23 @@ class TextStream:
         self._thread.start()
 
     def __iter__(self) -> Iterator[str]:
-        while self.result is None:
+        while not self._ended:
             kind, value = self._pieces.get()
             if kind == "text":
                 yield value
-            elif kind == "error":
-                self._thread.join()
+                continue
+            self._ended = True  # the worker has put its last item: nothing more will come
+            self._thread.join()
+            if kind == "error":
                 raise value
-            else:
-                self._thread.join()
-                released = len(self._decoder.text)
-                self.result = self._finish(value, self._decoder)  # releases what was held back
-                if len(self._decoder.text) > released:
-                    yield self._decoder.text[released:]
+            released = len(self._decoder.text)
+            self.result = self._finish(value, self._decoder)  # releases what was held back
+            if len(self._decoder.text) > released:
+                yield self._decoder.text[released:]
 
     def close(self) -> None:
-        """End the generation (after its current step) and wait for it."""
+        """End the generation (after its current step) and wait for it. A failure the iteration
+        has not yet raised is raised here; once raised, it is not raised again."""
         self._closed = True
         for _ in self:
             pass

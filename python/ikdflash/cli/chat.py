@@ -7,7 +7,8 @@
 Each turn goes through the target's own chat template with the whole conversation so far.
 Replies stream as each verification step commits them; a line on stderr follows with tokens,
 speed, acceptance and mean acceptance length. Ctrl-C stops a reply (what was said stays in the
-conversation), Ctrl-D or /exit leaves, /reset starts a new conversation. Line editing and
+conversation), Ctrl-D or /exit leaves, /reset starts a new conversation, /help lists these
+commands; no line starting with "/" is sent to the model. Line editing and
 history (kept in ~/.cache/ikdflash/chat_history) come from readline where Python has it. When
 the conversation outgrows the context, its oldest turns are dropped, and the chat says so.
 """
@@ -19,9 +20,9 @@ import os
 import sys
 from pathlib import Path
 
-from ikdflash import pausepoint
+from ikdflash import pausepoint, rules
 from ikdflash.engine import Engine
-from ikdflash.cli.generate import add_decoding_arguments, decoding_options, summary, system_message
+from ikdflash.cli.generate import add_decoding_arguments, check_engine_options, decoding_options, summary, system_message
 from ikdflash.sources.references import HubError, add_model_arguments, resolve_models
 
 HISTORY = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ikdflash" / "chat_history"
@@ -86,7 +87,7 @@ def reply(engine: Engine, tokens: list[int], args: argparse.Namespace) -> tuple[
     options = decoding_options(args)
     if engine.draft is None:
         options["n_max"] = 0
-    n_max = options["n_max"]
+    drafting = options["n_max"] != 0
     stream = engine.stream(tokens, max_tokens=args.max_tokens, **options)
     stopped = False
     try:
@@ -100,24 +101,49 @@ def reply(engine: Engine, tokens: list[int], args: argparse.Namespace) -> tuple[
     print()
     out = stream.result
     assert out is not None and out.stats is not None
-    return out.text, summary("dflash" if n_max else "target", out.stats, "stopped" if stopped else out.finish_reason)
+    return out.text, summary("dflash" if drafting else "target", out.stats, "stopped" if stopped else out.finish_reason)
+
+
+COMMANDS = {"/help": "list these commands", "/reset": "start a new conversation", "/exit": "leave (as Ctrl-D)"}
+
+
+def command(line: str, conversation: Conversation) -> str | None:
+    """Carry out a line that starts with "/": a command, never a message to the model. Returns
+    "exit" for /exit."""
+    name = line.split()[0]
+    if name == "/exit":
+        return "exit"
+    if name == "/reset":
+        conversation.turns.clear()
+        print("(a new conversation)", file=sys.stderr)
+    elif name == "/help":
+        for known, what in COMMANDS.items():
+            print(f"{known:8} {what}", file=sys.stderr)
+    else:
+        print(f"ikdflash chat: unknown command {name}; /help lists the commands (nothing was sent)", file=sys.stderr)
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_tokens < 1 or args.n_max < 1:
-        print("ikdflash chat: error: --max-tokens and --n-max must be at least 1", file=sys.stderr)
-        return 2
     try:
+        check_engine_options(args)
+        decoding_options(args)
         target, draft = resolve_models(args)
         engine = Engine(target, draft, n_ctx=args.ctx_size, n_threads=args.threads)
     except (HubError, FileNotFoundError, ValueError) as e:
         print(f"ikdflash chat: error: {e}", file=sys.stderr)
         return 2
+    try:
+        rules.n_max(args.n_max, engine.block_size - 1, name="--n-max")
+    except ValueError as e:
+        engine.close()
+        print(f"ikdflash chat: error: {e}", file=sys.stderr)
+        return 2
     interactive = sys.stdin.isatty()
     if interactive:
         enable_history()
-        print(f"ikdflash chat: {target.name} with {draft.name}. Ctrl-C stops a reply, Ctrl-D or /exit leaves, "
-              "/reset starts over.", file=sys.stderr)
+        print(f"ikdflash chat: {target.name} with {draft.name}. Ctrl-C stops a reply, Ctrl-D or /exit leaves; "
+              "/help lists the commands.", file=sys.stderr)
     conversation = Conversation(engine, system_message(args), args.max_tokens)
     with engine:
         while True:
@@ -131,11 +157,9 @@ def run(args: argparse.Namespace) -> int:
             text = line.strip()
             if not text:
                 continue
-            if text == "/exit":
-                break
-            if text == "/reset":
-                conversation.turns.clear()
-                print("(a new conversation)", file=sys.stderr)
+            if text.startswith("/"):
+                if command(text, conversation) == "exit":
+                    break
                 continue
             conversation.turns.append(("user", text))
             tokens, dropped = conversation.prompt()

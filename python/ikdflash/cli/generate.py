@@ -24,8 +24,8 @@ import contextlib
 import sys
 from typing import Sequence
 
-from ikdflash import pausepoint
-from ikdflash.engine import Engine, SpeculationResult, SpeculationStats
+from ikdflash import pausepoint, rules
+from ikdflash.engine import Engine, Sampling, SpeculationResult, SpeculationStats
 from ikdflash.sources.references import HubError, add_model_arguments, chat_defaults, resolve_models
 
 # Below this speed-up DFlash is said not to pay: the machine's noise is a few percent.
@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     """Draft length and sampling, for the commands that generate (generate, chat)."""
-    parser.add_argument("--n-max", type=int, default=4, help="draft tokens per step, at most (default 4)")
+    parser.add_argument("--n-max", type=int, help="draft tokens per step, at most: 1 up to what one draft pass "
+                        "proposes (default 4, or that when fewer)")
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                         help="each step verifies as many drafts as pay on this machine (default); "
                              "--no-adaptive: always --n-max")
@@ -59,11 +60,24 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="sampling seed (with --temperature)")
 
 
+def check_engine_options(args: argparse.Namespace) -> None:
+    """The context and thread counts of the commands that load an engine (generate, chat)."""
+    rules.at_least_one(args.ctx_size, "--ctx-size")
+    if args.threads is not None:
+        rules.at_least_one(args.threads, "--threads")
+
+
 def decoding_options(args: argparse.Namespace) -> dict:
-    """Engine keywords from add_decoding_arguments' options, over the pair's chat defaults."""
+    """Engine keywords from add_decoding_arguments' options (and --max-tokens), over the pair's
+    chat defaults; each value checked by its rule before anything is loaded (ValueError)."""
+    rules.max_tokens(args.max_tokens, name="--max-tokens")
+    rules.n_max(args.n_max, None, name="--n-max")  # its upper bound once the draft is loaded
     options = {k: v for k, v in chat_defaults(args).items() if k != "system"}
     options.update({name: getattr(args, name) for name in ("temperature", "repeat_penalty", "seed")
                     if getattr(args, name) is not None})
+    sampling = Sampling(**options)  # the sampling rules
+    if "seed" in options:
+        options["seed"] = sampling.seed  # -1 drawn once, so that every run of the command shares it
     return {"n_max": args.n_max, "adaptive": args.adaptive, **options}
 
 
@@ -120,9 +134,12 @@ def run(args: argparse.Namespace) -> int:
         print("ikdflash generate: error: the prompt is empty", file=sys.stderr)
         return 2
     try:
+        check_engine_options(args)
+        options = decoding_options(args)
         target, draft = resolve_models(args)
         with contextlib.ExitStack() as engines:
             engine = engines.enter_context(Engine(target, draft, n_ctx=args.ctx_size, n_threads=args.threads))
+            rules.n_max(args.n_max, engine.block_size - 1, name="--n-max")
             # the target alone has no draft to feed: its own engine, loaded before either is timed
             alone = (engines.enter_context(Engine(target, n_ctx=args.ctx_size, n_threads=args.threads))
                      if args.compare else None)
@@ -131,7 +148,6 @@ def run(args: argparse.Namespace) -> int:
             else:
                 system = system_message(args)
                 tokens = engine.chat_tokens(([("system", system)] if system else []) + [("user", prompt)])
-            options = decoding_options(args)
             alone_options = {k: v for k, v in options.items() if k not in ("n_max", "adaptive")}
             alone_options.update(n_max=0, adaptive=False)
             stop = args.stop or ()

@@ -37,7 +37,7 @@ class SpecType:
     adaptive: bool | None = None  # verify as many drafts as pay each step (None: the server's default, on)
 
     def __post_init__(self) -> None:
-        for name, low in (("n_max", 1), ("n_min", 0), ("cross_ctx", 1)):
+        for name, low in (("n_max", 1), ("n_min", 0), ("cross_ctx", 0)):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < low):
                 raise SpecTypeError(f"--spec-type dflash: {name} must be at least {low}, got {value}")
