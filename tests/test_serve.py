@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ikdflash import Server
+from ikdflash import Server, ServerError
 from ikdflash.serving.client import post_json
 from ikdflash.serving.server import free_port
 from ikdflash.serving.spectype import SpecType, SpecTypeError
@@ -146,8 +147,11 @@ def test_server_dying_on_start(pair, tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--n-max", "0"], "n_max must be at least 1, got 0"),
-    (["--cross-ctx", "0"], "cross_ctx must be at least 1, got 0"),
+    (["--n-max", "0"], "--n-max must be in 1..N (what one draft pass proposes), got 0"),
+    (["--n-max", "99"], "--n-max must be in 1..15 (what one draft pass proposes), got 99"),
+    (["--cross-ctx", "-1"], "--cross-ctx must be >= 0 (0: the target's context), got -1"),
+    (["--port", "99999"], "--port must be in 0..65535 (0: a free one), got 99999"),
+    (["--port", "-1"], "--port must be in 0..65535 (0: a free one), got -1"),
     (["-c", "0"], "--ctx-size must be at least 1, got 0"),
     (["--parallel", "0"], "--parallel must be at least 1, got 0"),
 ])
@@ -592,3 +596,99 @@ def test_doctor_probe_says_whether_dflash_pays(pair):
 def test_doctor_without_a_pair_loads_no_model():
     out = subprocess.run(["ikdflash", "doctor", "--json"], capture_output=True, text=True, timeout=60)
     assert "pair" not in json.loads(out.stdout) and "probe" not in json.loads(out.stdout)
+
+
+def test_a_refused_start_says_why_in_a_few_lines(pair, tmp_path):
+    """llama-server's own reason, never its usage text: from the command line (whose checks refuse
+    a bad DFlash key before starting anything), and from Server, with no log file to look in."""
+    target, draft = pair
+    out = serve("--target", str(target), "--draft", str(draft), "--port", "0", "--", "--spec-type", "dflash:bogus=1")
+    said = (out.stdout + out.stderr).splitlines()
+    assert out.returncode == 2 and len(said) <= 5 and any("unknown key 'bogus'" in line for line in said), said
+
+    out = serve("--target", str(target), "--draft", str(draft), "-c", "512", "--port", "0", "--", "--no-such-flag")
+    said = (out.stdout + out.stderr).splitlines()
+    assert out.returncode == 1 and len(said) <= 5, said
+    assert "no-such-flag" in said[-1] and "log_file=" not in out.stderr and "usage" not in out.stdout, said
+
+    with pytest.raises(ServerError) as refused:
+        Server(target, ctx_size=512, startup_timeout=60,
+               extra_args=["--model-draft", str(draft), "--spec-type", "dflash:bogus=1"]).start()
+    assert "exited with code 1 during start-up" in str(refused.value)
+    assert "unknown key 'bogus'" in str(refused.value) and "unknown key 'bogus'" in refused.value.reason
+    assert len(refused.value.reason.splitlines()) <= 5
+
+
+def test_a_server_leaves_no_file_behind(pair, tmp_path, monkeypatch):
+    target, _ = pair
+    monkeypatch.chdir(tmp_path)
+    with Server(target, ctx_size=512, n_threads=2, log_file="server.log") as url:
+        post_json(url + "/completion", {"prompt": "hi", "n_predict": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["server.log"]
+
+
+def started(command: list[str]) -> tuple[subprocess.Popen, str]:
+    """An `ikdflash serve` process and its URL, once it says it is ready."""
+    process = subprocess.Popen([sys.executable, "-m", "ikdflash.cli", "serve", *command], stderr=subprocess.PIPE,
+                               text=True)
+    lines = []
+    for line in process.stderr:
+        lines.append(line)
+        if "ready at " in line:
+            return process, line.split("ready at ")[1].split()[0]
+    process.wait()
+    raise AssertionError("serve did not start: " + "".join(lines))
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def chat_with_tools(url: str, stream: bool) -> dict:
+    """The reply's message (content and tool calls) and finish_reason, streamed deltas put together."""
+    body = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": TOOLS,
+            "max_tokens": 24, "temperature": 0, "stream": stream}
+    if not stream:
+        choice = post_json(url + "/v1/chat/completions", body)["choices"][0]
+        message = choice["message"]
+        return {"content": message.get("content"), "tool_calls": message.get("tool_calls"),
+                "finish_reason": choice["finish_reason"]}
+    import urllib.request
+    request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    content, calls, finish = "", [], None
+    with urllib.request.urlopen(request, timeout=120) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                delta = choice.get("delta") or {}
+                content += delta.get("content") or ""
+                calls += delta.get("tool_calls") or []
+                finish = choice.get("finish_reason") or finish
+    return {"content": content or None, "tool_calls": calls or None, "finish_reason": finish}
+
+
+def test_serve_answers_tool_calls_and_metrics_as_without_a_draft(pair, tmp_path):
+    """`ikdflash serve` turns on Jinja templates (which `tools` needs) and /metrics by default; a
+    tools request, streamed or not, gets with the draft what the target alone gives (greedy)."""
+    target, draft = pair
+    process, url = started(["--target", str(target), "--draft", str(draft), "-c", "1024", "--port", "0",
+                            "--log-file", str(tmp_path / "dflash.log")])
+    try:
+        drafted = [chat_with_tools(url, stream) for stream in (False, True)]
+        import urllib.request
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+            metrics = response.read().decode()
+        drafted_tokens = re.search(r"^\S*spec_decode_num_draft_tokens\S* (\S+)", metrics, re.M)
+        assert drafted_tokens and float(drafted_tokens.group(1)) > 0, metrics  # the draft proposed
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+        process.stderr.close()
+    with Server(target, ctx_size=1024, log_file=tmp_path / "plain.log", extra_args=["--jinja"]) as plain_url:
+        plain = [chat_with_tools(plain_url, stream) for stream in (False, True)]
+    assert drafted == plain
+    assert drafted[0]["content"] == drafted[1]["content"] and drafted[0]["finish_reason"] == "length"

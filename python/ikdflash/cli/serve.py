@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from ikdflash import rules
 from ikdflash.sources.references import HubError, add_model_arguments, resolve_models
 from ikdflash.model import repack_by_default
 from ikdflash.sources.pair import check_pair
@@ -38,7 +39,8 @@ from ikdflash.serving.spectype import SpecType, SpecTypeError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    parser.add_argument("--n-max", type=int, default=4, help="draft tokens per step, at most (default 4)")
+    parser.add_argument("--n-max", type=int, default=4, help="draft tokens per step, at most: 1 up to what one "
+                        "draft pass proposes (default 4)")
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                         help="each step verifies as many of the --n-max drafts as pay on this machine, none when "
                              "drafting does not pay (default); --no-adaptive: every step verifies --n-max")
@@ -67,7 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key-file", type=Path,
                         help="file with the API key(s) clients must send, one per line "
                              "(or set IKDFLASH_API_KEY; /health stays open)")
-    parser.add_argument("--port", type=int, default=8080, help="port, or 0 for a free one (default 8080)")
+    parser.add_argument("--port", type=int, default=8080, help="port, 0..65535; 0 for a free one (default 8080)")
+    parser.add_argument("--jinja", action=argparse.BooleanOptionalAction, default=True,
+                        help="the model's own Jinja chat template, which OpenAI tool calls (tools) need "
+                             "(default; --no-jinja: the server's built-in templates)")
+    parser.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
+                        help="serve Prometheus metrics at /metrics (default; --no-metrics: 501 there)")
     parser.add_argument("--log-file", type=Path, help="write the server's log here instead of stdout")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     parser.add_argument("--dry-run", action="store_true", help="print the llama-server command and exit")
@@ -86,6 +93,8 @@ def build_server(args: argparse.Namespace) -> Server:
         extra += ["--parallel", str(args.parallel)]
     if args.batch_invariant:
         extra.append("--batch-invariant")
+    extra += [flag for flag, on in (("--jinja", args.jinja), ("--metrics", args.metrics))
+              if on and flag not in args.extra]
     if args.alias:
         extra += ["--alias", args.alias]
     if args.gpu_layers is not None:
@@ -100,7 +109,9 @@ def build_server(args: argparse.Namespace) -> Server:
     if args.api_key_file is not None:
         _check_key_file(args.api_key_file)
         extra += ["--api-key-file", str(args.api_key_file)]
-    extra += [a for a in args.extra if a != "--"]
+    passed_on = [a for a in args.extra if a != "--"]
+    check_passed_on(passed_on)
+    extra += passed_on
     last_report = [0.0]
 
     def progress(waited: float) -> None:
@@ -112,6 +123,19 @@ def build_server(args: argparse.Namespace) -> Server:
                   log_file=args.log_file, log_to_stdout=args.log_file is None,
                   startup_timeout=args.startup_timeout, on_wait=progress,
                   api_key=os.environ.get("IKDFLASH_API_KEY") or None)
+
+
+def check_passed_on(extra: list[str]) -> None:
+    """The llama-server arguments after -- that can be checked here, so that a mistake in them is
+    refused before anything is loaded: a DFlash --spec-type's keys and values, and the port."""
+    for flag, value in zip(extra, extra[1:]):
+        if flag == "--spec-type" and value.partition(":")[0] == "dflash":
+            SpecType.parse(value)
+        elif flag == "--port":
+            try:
+                rules.port(int(value), name="--port")
+            except ValueError:
+                raise ValueError(f"--port must be in 0..65535 (0: a free one), got {value!r}") from None
 
 
 def _check_rpc_workers(spec: str) -> list[str]:
@@ -139,14 +163,17 @@ def _check_key_file(path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag, value in (("--ctx-size", args.ctx_size), ("--parallel", args.parallel)):
-        if value < 1:
-            say(f"error: {flag} must be at least 1, got {value}")
-            return 2
     try:
+        rules.at_least_one(args.ctx_size, "--ctx-size")
+        rules.at_least_one(args.parallel, "--parallel")
+        rules.port(args.port, "--port")
+        rules.cross_ctx(args.cross_ctx, "--cross-ctx")
+        rules.n_max(args.n_max, None, name="--n-max")  # its upper bound once the draft is read
         args.target, args.draft = resolve_models(args)
         server = build_server(args)
         report = check_pair(args.target, args.draft, cross_ctx=args.cross_ctx, ctx_size=args.ctx_size)
+        if "block_size" in report.facts:
+            rules.n_max(args.n_max, report.facts["block_size"] - 1, name="--n-max")
     except (SpecTypeError, HubError, FileNotFoundError, ValueError) as e:
         say(f"error: {e}")
         return 2

@@ -11,6 +11,7 @@ process group, waits a grace period, then SIGKILL.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import ipaddress
@@ -19,18 +20,86 @@ import signal
 import socket
 import subprocess
 import sys
+import shutil
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import IO, Callable, Mapping, Sequence
 
+from ikdflash import rules
 from ikdflash.serving.fork import server_binary
 
 
 class ServerError(RuntimeError):
-    """llama-server could not be started, or died."""
+    """llama-server could not be started, or died. ``reason``: llama-server's own words for why,
+    when it said any (its error lines, never its usage text)."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+# llama-server prints its whole usage text after a bad argument; the line before it says what
+# was wrong. Lines from the first of these on are left out of the reason, and out of our stdout.
+USAGE_START = (b"usage:", b"----- common params -----")
+REASON_WORDS = ("error", "failed", "invalid", "unknown", "cannot", "must", "not supported")
+REASON_LINES = 5
+
+
+def refusal_reason(lines: Sequence[str]) -> str | None:
+    """What a llama-server that exited during start-up said was wrong: its lines that report an
+    error (at most REASON_LINES, the last ones), or else its last lines; the usage text never."""
+    said = [line.strip() for line in lines if line.strip()]
+    errors = [line for line in said if any(word in line.lower() for word in REASON_WORDS)]
+    chosen = (errors or said)[-REASON_LINES:]
+    return "\n".join(chosen) if chosen else None
+
+
+class _Output:
+    """Reads the server's output as it comes: keeps its start-up lines (for refusal_reason) and
+    passes every line on to the log file, our stdout, or nowhere. The usage text a bad argument
+    brings goes to the log file only."""
+
+    KEPT = 400
+
+    def __init__(self, pipe: IO[bytes], log: IO[bytes] | None, to_stdout: bool) -> None:
+        self._lines: collections.deque[str] = collections.deque(maxlen=self.KEPT)
+        self._lock = threading.Lock()
+        self._pipe, self._log, self._to_stdout = pipe, log, to_stdout
+        self._in_usage = False
+        self._thread = threading.Thread(target=self._pump, name="llama-server-output", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        forward = self._to_stdout
+        for line in iter(self._pipe.readline, b""):
+            if line.lstrip().startswith(USAGE_START):
+                self._in_usage = True
+            try:
+                if self._log is not None:
+                    self._log.write(line)
+                    self._log.flush()
+                elif forward and not self._in_usage:
+                    sys.stdout.write(line.decode("utf-8", errors="replace"))
+                    sys.stdout.flush()
+            except (OSError, ValueError):  # our stdout or the log went away: keep draining the pipe
+                forward, self._log = False, None
+            if not self._in_usage:
+                with self._lock:
+                    self._lines.append(line.decode("utf-8", errors="replace"))
+        self._pipe.close()
+
+    @property
+    def lines(self) -> list[str]:
+        """The last KEPT lines the server wrote, its usage text left out."""
+        with self._lock:
+            return list(self._lines)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -153,6 +222,7 @@ class Server:
                  on_wait: Callable[[float], None] | None = None, env: Mapping[str, str] | None = None,
                  api_key: str | None = None, binary: str | os.PathLike[str] | None = None) -> None:
         self.model = Path(model)
+        rules.port(port)
         self.binary = Path(binary) if binary else None  # another llama-server build (benchmarks); default the fork's
         self.host = host
         self.port = port
@@ -173,6 +243,8 @@ class Server:
         self.stop_grace = stop_grace
         self.process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self._output: _Output | None = None
+        self._workdir: Path | None = None
 
     @property
     def url(self) -> str:
@@ -204,15 +276,16 @@ class Server:
             raise ServerError(f"port {self.port} on {self.host} is already in use; pick another or use port 0")
         if self.log_file:
             self._log = open(self.log_file, "wb")
-        # Own process group, so stop() reaches anything the server spawns; run beside its log
-        # (or in the temp folder), as the server also writes a llama.log where it runs.
-        workdir = self.log_file.parent if self.log_file else tempfile.gettempdir()
-        output = self._log or (None if self.log_to_stdout else subprocess.DEVNULL)
+        # Own process group, so stop() reaches anything the server spawns; run in a folder of its
+        # own, removed at stop, as the server also writes a llama.log where it runs.
+        self._workdir = Path(tempfile.mkdtemp(prefix="ikdflash-server-"))
         try:
             self._write_key_file()
-            self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=output,
-                                            stderr=subprocess.STDOUT, start_new_session=True, cwd=workdir,
+            self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, start_new_session=True, cwd=self._workdir,
                                             env={**os.environ, **self.env}, preexec_fn=end_with(os.getpid()))
+            assert self.process.stdout is not None
+            self._output = _Output(self.process.stdout, self._log, self.log_to_stdout)
             self._wait_ready()
         except BaseException:
             self.stop()
@@ -248,7 +321,7 @@ class Server:
                 if error is not None:
                     raise ServerError(f"llama-server could not listen on {self.host}:{self.port}: "
                                       f"{error.strerror or error}")
-                raise ServerError(f"llama-server exited with code {code} during start-up{self._log_hint()}")
+                raise self._refusal(f"llama-server exited with code {code} during start-up")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
                     if response.status == 200:
@@ -256,13 +329,15 @@ class Server:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass  # not listening yet, or still loading (503)
             time.sleep(0.1)
-        raise ServerError(f"llama-server not ready after {self.startup_timeout:.0f}s{self._log_hint()}")
+        raise self._refusal(f"llama-server not ready after {self.startup_timeout:.0f}s")
 
-    def _log_hint(self) -> str:
-        if self.log_file is None:
-            return " (pass log_file= to keep its log)"
-        tail = self.log_file.read_bytes()[-1500:].decode("utf-8", errors="replace")
-        return f"; last lines of {self.log_file}:\n{tail}"
+    def _refusal(self, what: str) -> ServerError:
+        """A ServerError saying what happened and, in llama-server's own words, why."""
+        if self._output is not None and self.process is not None and self.process.poll() is not None:
+            self._output.join(timeout=5)  # the pipe ends with the process: every line is in
+        reason = refusal_reason(self._output.lines) if self._output is not None else None
+        where = f" (whole log: {self.log_file})" if self.log_file else ""
+        return ServerError(f"{what}: {reason}{where}" if reason else f"{what}{where}", reason)
 
     def stop(self) -> int | None:
         """Stop the server and reap it; returns its exit code (None if it was not running)."""
@@ -277,6 +352,12 @@ class Server:
                     os.killpg(process.pid, signal.SIGKILL)
                     process.wait()
             code = process.returncode
+        if self._output is not None:
+            self._output.join(timeout=5)
+            self._output = None
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
         if self._log is not None:
             self._log.close()
             self._log = None
