@@ -21,8 +21,10 @@ exactly the reply it gave at the start to a fixed greedy request. The outcomes:
     garbled              a short reply in a script of multi-byte characters (the "cut reply"
                          case: valid, cut by its length limit) was not a 200 with valid UTF-8,
                          no U+FFFD, and a stream that ends ([DONE], stop: true, message_stop)
+    accepted             a value the server must refuse (a negative temperature) got a reply
+    untruthful           (--endings) a reply gave another finish_reason than its ending's
 
-The last six are findings; after a crash, a hang, unhealthy or diverged, the server is started
+The last eight are findings; after a crash, a hang, unhealthy or diverged, the server is started
 again. The server runs with --parallel 2, --slot-save-path (a temp folder) and --metrics, with a
 DFlash draft (--config dflash) or without (--config plain), or both in turn (--config both).
 
@@ -34,6 +36,13 @@ DFlash draft (--config dflash) or without (--config plain), or both in turn (--c
 one, e.g. a fork tree with fixes. --minimize retries each distinct finding with one top-level key
 removed at a time and reports the smallest body that still gives it. tests/test_fuzz_requests.py
 runs seeded slices of this in the default test run.
+
+--endings sends valid greedy requests instead, to /v1/completions and /v1/chat/completions,
+streamed or not, each ending by its length limit, a stop string cut from the reply's own text, or
+EOS (forced by a logit bias), in turn; each reply must give its ending's finish_reason ("length"
+or "stop"):
+
+    python tests/fuzz_requests.py --endings --cases 240 --seed 0       # 10 cases a cell
 """
 
 from __future__ import annotations
@@ -58,7 +67,7 @@ from typing import Any
 from fuzzing import Case
 
 REFERENCE_PROMPT = "the quick brown fox jumps over the lazy dog, and the cat sat on the mat"
-FINDINGS = ("error", "hang", "dropped", "crash", "unhealthy", "diverged", "garbled")
+FINDINGS = ("error", "hang", "dropped", "crash", "unhealthy", "diverged", "garbled", "untruthful", "accepted")
 
 
 # --- JSON with raw fragments ---------------------------------------------------------------------
@@ -523,6 +532,7 @@ class Request:
     mutations: list[str]
     headers: dict[str, str] = field(default_factory=dict)
     whole_text: bool = False        # a valid request whose reply must come whole (a "cut reply")
+    must_refuse: bool = False       # a value the server must answer with a 4xx (out of its range)
 
     @property
     def body(self) -> bytes | None:
@@ -565,8 +575,8 @@ def set_field(rng: random.Random, world: World, route: Route, value: dict) -> st
     return f"{key}={describe(value[key], 60)}"
 
 
-MUTATIONS = {"field": 12, "slot id": 3, "action": 1, "query": 1, "unknown key": 1, "drop key": 1, "wrong type": 1.5,
-             "body": 1.2, "content type": 0.4, "method": 0.6, "path": 0.4}
+MUTATIONS = {"field": 12, "out of range": 1.5, "slot id": 3, "action": 1, "query": 1, "unknown key": 1, "drop key": 1,
+             "wrong type": 1.5, "body": 1.2, "content type": 0.4, "method": 0.6, "path": 0.4}
 
 # "cut reply": a valid request for a short answer in a script of 2-, 3- or 4-byte characters, so its
 # length limit falls inside a character, on every route that returns text
@@ -575,6 +585,19 @@ CUT_QUESTIONS = ["Write one Hebrew word.", "日本語で一言書いてくださ
 CUT_ROUTES = {"completion": "n_predict", "completions": "n_predict", "v1-completions": "max_tokens",
               "chat": "max_tokens", "chat-legacy": "max_tokens", "messages": "max_tokens", "infill": "n_predict"}
 CUT_SHARE = 0.08
+
+
+# sampling values just outside their documented ranges (a 400 or a reply, never a crash); a
+# negative temperature must be refused
+OUT_OF_RANGE = {"temperature": [-1, -0.5, -1e-6], "top_p": [0, -0.5, 1.5], "top_k": [-1, -100],
+                "min_p": [-0.1, 1.5], "seed": [-2, 2**32], "max_tokens": [0, -2], "n_predict": [-2, 0]}
+
+
+def out_of_range(rng: random.Random, route: Route, value: dict) -> tuple[str, bool]:
+    """Set one sampling field of value outside its range: (the mutation, whether it must be refused)."""
+    key = rng.choice([k for k in OUT_OF_RANGE if k in route.fields])
+    value[key] = rng.choice(OUT_OF_RANGE[key])
+    return f"{key}={value[key]}", key == "temperature"
 
 
 def cut_reply(rng: random.Random, name: str) -> Request:
@@ -606,9 +629,12 @@ def generate(rng: random.Random, world: World, routes: Sequence[str] | None = No
     slot_id: Any = rng.randrange(world.n_slots)
     action = rng.choice(["save", "restore", "erase"])
     headers: dict[str, str] = {}
+    must_refuse = False
     usable = [m for m in MUTATIONS
               if (m != "field" or (route.fields and isinstance(value, dict)))
-              and (m != "slot id" or "{id}" in path) and (m != "action" or "{action}" in path)
+              and (m != "slot id" or "{id}" in path)
+              and (m != "out of range" or (isinstance(value, dict) and "temperature" in route.fields))
+              and (m != "action" or "{action}" in path)
               and (m != "query" or "{query}" in path)
               and (m not in ("unknown key", "drop key") or isinstance(value, dict))
               and (m != "wrong type" or (isinstance(value, (dict, list)) and value))]
@@ -616,6 +642,10 @@ def generate(rng: random.Random, world: World, routes: Sequence[str] | None = No
         kind = rng.choices(usable, weights=[MUTATIONS[m] for m in usable])[0]
         if kind == "field" and isinstance(value, dict):
             mutations.append(set_field(rng, world, route, value))
+        elif kind == "out of range" and isinstance(value, dict):
+            mutation, refuse = out_of_range(rng, route, value)
+            mutations.append(mutation)
+            must_refuse = must_refuse or refuse
         elif kind == "slot id":
             slot_id = rng.choice([world.n_slots, -1, -2, 99, 2**31, 2**64, "abc", "1abc", "0x1", " 1", "+1", "",
                                   "%2e%2e", "1.5", "-0", "00000000000000000001"])
@@ -664,7 +694,7 @@ def generate(rng: random.Random, world: World, routes: Sequence[str] | None = No
     path = path.replace("{id}", str(slot_id)).replace("{action}", action).replace("{query}", "")
     if not mutations:  # a GET route drew a mutation it has no use for
         mutations.append(f"method {method}")
-    return Request(name, method, path, value, mutations, headers)
+    return Request(name, method, path, value, mutations, headers, must_refuse=must_refuse and len(mutations) == 1)
 
 
 # --- talking to the server ---------------------------------------------------------------------
@@ -810,7 +840,9 @@ class Harness:
         self.starts = 0
         self.baseline: list[str] | None = None
         import gguf
-        self.n_vocab = len(gguf.GGUFReader(target).fields["tokenizer.ggml.tokens"].contents())
+        reader = gguf.GGUFReader(target)
+        self.n_vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
+        self.eos = int(reader.fields["tokenizer.ggml.eos_token_id"].contents())
         self.world = World(self.n_vocab, parallel, slot_dir=str(self.slot_dir))
 
     @property
@@ -992,6 +1024,8 @@ def judge(harness: Harness, request: Request, timeout: float | None = None) -> t
         detail = f"HTTP 200, error event {code}: {error_message(reply)}"
     if request.whole_text and reply.status is not None and (why := incomplete_text(reply)):
         outcome, detail = "garbled", why
+    if request.must_refuse and outcome == "ok":
+        outcome, detail = "accepted", f"HTTP {reply.status} for a value out of its range"
     # a crash can come after the reply (the main loop runs the task on its own thread): the
     # checks go through the main loop, so they wait for it
     time.sleep(0.02)
@@ -1062,6 +1096,92 @@ def run(harness: Harness, cases: int, seed: int, only: Iterable[int] | None = No
     return results
 
 
+# --- why a reply ended: finish_reason on every OpenAI-style route ----------------------------------
+
+# /v1/messages takes neither ignore_eos nor logit_bias, so its endings cannot be chosen: not here
+FINISH_ROUTES = ("v1-completions", "chat")
+ENDINGS = ("length", "stop string", "eos")
+FINISH_PROMPTS = ["Say something.", "Count to ten.", "Name a colour.", "Tell me a story.", "the cat sat on"]
+
+
+def finish_body(route: str, prompt: str, limit: int, stream: bool, **extra: Any) -> dict:
+    body: dict[str, Any] = ({"prompt": prompt} if route == "v1-completions" else
+                            {"messages": [{"role": "user", "content": prompt}], "model": "x"})
+    return {**body, "max_tokens": limit, "temperature": 0, "stream": stream, **extra}
+
+
+def reply_finish(reply: Reply) -> tuple[str | None, str]:
+    """(its finish_reason, its text) of an OpenAI-style reply, JSON or an event stream."""
+    text = reply.body.decode("utf-8", errors="replace")
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")] or [text]
+    said, pieces = None, []
+    for event in events:
+        try:
+            data = json.loads(event)
+        except ValueError:
+            continue
+        for choice in data.get("choices") or []:
+            said = choice.get("finish_reason") or said
+            message = choice.get("message") or choice.get("delta") or {}
+            pieces.append(choice.get("text") or message.get("content") or "")
+    return said, "".join(pieces)
+
+
+def ending_case(harness: Harness, rng: random.Random, route: str, stream: bool, ending: str
+                ) -> tuple[Request | None, str]:
+    """A valid greedy request that ends by the given ending, and the finish_reason it must get (a
+    stop string is cut from the reply's own text, read from a first request; None when that text
+    is empty). EOS is forced by a logit bias on the target's EOS token; the other endings
+    run with ignore_eos, so they end by their own cause alone."""
+    prompt, limit = rng.choice(FINISH_PROMPTS), rng.randint(1, 8)
+    path = ROUTES[route].path
+    if ending == "eos":
+        value = finish_body(route, prompt, limit + 8, stream, logit_bias={str(harness.eos): 100})
+    elif ending == "length":
+        value = finish_body(route, prompt, limit, stream, ignore_eos=True)
+    else:
+        probe = http(harness.port, "POST", path, encode(finish_body(route, prompt, 8, False, ignore_eos=True)),
+                     timeout=harness.timeout)
+        _, text = reply_finish(probe)
+        if probe.status != 200 or not text:
+            return None, "stop"
+        start = rng.randrange(len(text))
+        value = finish_body(route, prompt, 16, stream, ignore_eos=True, stop=[text[start:start + rng.randint(1, 3)]])
+    expected = "length" if ending == "length" else "stop"
+    return Request(route, "POST", path, value, [f"ends by {ending}{', streamed' if stream else ''}"],
+                   whole_text=True), expected
+
+
+def run_endings(harness: Harness, cases: int, seed: int, first: int = 0,
+                progress: Callable[[RequestCase], None] = lambda case: None) -> list[RequestCase]:
+    """Cases [first, first + cases): each route x streamed or not x ending in turn, so that every
+    cell gets a case before any gets a second. A reply that gives another reason than its ending's
+    is an "untruthful" finding."""
+    if harness.server is None:
+        harness.start()
+    cells = [(route, stream, ending) for route in FINISH_ROUTES for stream in (False, True) for ending in ENDINGS]
+    results = []
+    for index in range(first, first + cases):
+        route, stream, ending = cells[index % len(cells)]
+        request, expected = ending_case(harness, random.Random(f"{seed}:{index}"), route, stream, ending)
+        if request is None:
+            outcome, detail, seconds = "skipped", "the probe's reply had no text to cut a stop string from", 0.0
+        else:
+            reply = http(harness.port, request.method, request.path, request.body, timeout=harness.timeout)
+            said, _ = reply_finish(reply)
+            outcome, detail, seconds = "ok", f"finish_reason {said}", reply.seconds
+            if reply.status is None or (why := incomplete_text(reply)):
+                outcome, detail = "error", reply.error if reply.status is None else why
+            elif said != expected:
+                outcome, detail = "untruthful", f"finish_reason {said!r}, expected {expected!r}"
+        case = RequestCase(index, f"{ending}{', streamed' if stream else ''}", harness.config, outcome, detail,
+                           request=request.describe() if request else route, route=route, seconds=round(seconds, 3))
+        case.signature = f"{outcome} {route}: {case.mutation}"
+        results.append(case)
+        progress(case)
+    return results
+
+
 def minimize(harness: Harness, case: RequestCase, seed: int, routes: Sequence[str] | None = None,
              cut_share: float = CUT_SHARE) -> str:
     """The request of case with every top-level key it can do without removed (each removal kept
@@ -1120,6 +1240,10 @@ def main() -> int:
     parser.add_argument("--show", action="store_true", help="print every case's request")
     parser.add_argument("--cut-share", type=float, default=CUT_SHARE,
                         help=f"share of text-route cases that are cut replies (default {CUT_SHARE}; 1: only those)")
+    parser.add_argument("--endings", action="store_true",
+                        help="instead of hostile requests: valid ones that end by a limit, a stop string or EOS, "
+                             "on every OpenAI-style route, streamed or not; the finish_reason each reply gives "
+                             "must be its ending's")
     parser.add_argument("--minimize", action="store_true", help="shrink the first case of each distinct finding")
     parser.add_argument("--server-binary", help="llama-server to run (default: $IKDFLASH_FUZZ_SERVER, else the package's)")
     parser.add_argument("--target", type=Path, help="target GGUF (default: a tiny llama made here)")
@@ -1153,7 +1277,10 @@ def main() -> int:
                 per = args.cases // len(configs)
                 indices = range(n * per, (n + 1) * per if n < len(configs) - 1 else args.cases)
             try:
-                got = run(harness, 0, args.seed, indices, args.routes, progress, cut_share=args.cut_share)
+                if args.endings:
+                    got = run_endings(harness, len(indices), args.seed, indices[0], progress)
+                else:
+                    got = run(harness, 0, args.seed, indices, args.routes, progress, cut_share=args.cut_share)
                 results += got
                 if args.minimize:
                     for sig, cases in distinct(got).items():

@@ -20,6 +20,8 @@ import random
 import pytest
 from fuzz_requests import (
     CUT_ROUTES,
+    ENDINGS,
+    FINISH_ROUTES,
     FINDINGS,
     Harness,
     Raw,
@@ -33,6 +35,7 @@ from fuzz_requests import (
     judge,
     nested,
     run,
+    run_endings,
 )
 
 # finding -> what it is; the ones the packaged llama-server still has are in UNFIXED
@@ -50,6 +53,8 @@ NAMES = {
     "F11": "a grammar, JSON-schema pattern or banned_regex nested or long enough overflows the stack (SIGSEGV)",
     "F12": "a grammar or logit_bias that leaves no token to sample aborts the server ('Failed to sample token')",
     "F13": "a request's system_prompt longer than a slot's context breaks every later request",
+    "F14": "every OpenAI-style reply says finish_reason \"stop\", also when max_tokens cut it",
+    "F15": "a negative temperature is taken as greedy instead of refused",
 }
 # finding -> the name of the patch that fixes it, less its number (NNNN-) and .patch
 FIXED_BY = {
@@ -66,6 +71,8 @@ FIXED_BY = {
     "F11": "server-deep-grammars-schema-patterns-and-long-regexe",
     "F12": "server-a-request-that-leaves-no-token-to-sample-fail",
     "F13": "server-a-system_prompt-may-take-at-most-half-a-slot-",
+    "F14": "server-finish_reason-length-when-a-limit-cuts-the-re",
+    "F15": "server-a-negative-temperature-gets-a-400-naming-the-",
 }
 
 
@@ -310,6 +317,28 @@ def test_f10_a_request_leaves_nothing_on_its_slot(servers, request):
         outcome, detail = send(harness, "POST", "/completion", {"prompt": "hi", "n_predict": 2, "id_slot": 0,
                                                                  field: value})
         assert outcome == "ok", (field, outcome, detail)
+
+
+@pytest.mark.parametrize("config", [pytest.param("plain", marks=unfixed("F14")),
+                                    pytest.param("dflash", marks=unfixed("F14"))])
+def test_finish_reason_tells_why_the_reply_ended(servers, config):
+    """One valid greedy request for each route (/v1/completions, /v1/chat/completions) x streamed
+    or not x ending (its length limit, a stop string cut from its own text, EOS): each reply gives
+    its ending's finish_reason. `fuzz_requests.py --endings` runs more."""
+    results = run_endings(servers(config), 12, seed=66)
+    assert [(c.route, c.mutation, c.detail) for c in results if c.outcome != "ok"] == []
+    assert {(c.route, c.mutation) for c in results} == {(route, ending + streamed) for route in FINISH_ROUTES
+                                                         for ending in ENDINGS for streamed in ("", ", streamed")}
+
+
+def test_f15_a_negative_temperature_is_refused(servers, request):
+    for mark in unfixed("F15"):
+        request.applymarker(mark)
+    harness = servers("plain")
+    for path, body in [("/completion", {"prompt": "hi", "n_predict": 2}),
+                       ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})]:
+        refused(harness, path, {**body, "temperature": -0.5}, "'temperature' must be >= 0 (0: greedy), got -0.5")
 
 
 def test_valid_requests_still_work(servers):
