@@ -115,13 +115,15 @@ def test_chat_answers_each_turn_with_the_conversation_so_far(tiny_model, tiny_dr
     from ikdflash import Engine
     target, draft = chat_pair(tiny_model, tiny_draft)
     chat = ["ikdflash", "chat", "--target", str(target), "--draft", str(draft), "--max-tokens", "6", "--threads", "2"]
-    out = subprocess.run(chat, input="the river\n\nand the town\n/reset\nand the town\n", capture_output=True,
-                         text=True, timeout=120)
+    # a line starting with "/" is a command, never a message: /help lists them, /nope is refused
+    out = subprocess.run(chat, input="the river\n/help\n/nope\nand the town\n/reset\nand the town\n/exit\nlost\n",
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     replies = out.stdout.split("\n")[:3]
     stats = [line for line in out.stderr.splitlines() if line.startswith("dflash: ")]
     assert len(stats) == 3 and all("acceptance" in line for line in stats)
-    assert "(a new conversation)" in out.stderr
+    assert "(a new conversation)" in out.stderr and "/reset   start a new conversation" in out.stderr
+    assert "unknown command /nope; /help lists the commands (nothing was sent)" in out.stderr
     with Engine(target, draft, n_ctx=4096, n_threads=2) as engine:
         first = engine.chat([("user", "the river")], max_tokens=6).text
         second = engine.chat([("user", "the river"), ("assistant", first), ("user", "and the town")], max_tokens=6).text
