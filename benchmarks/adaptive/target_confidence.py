@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ikdflash.gguf_files import gguf_field, open_gguf, target_weights
 from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
-from ikdflash.sources.pair import gguf_field, open_gguf
-from ikdflash.train import data, draft, loop, target_weights
+from ikdflash.train import data, draft, loop
 
 from benchmarks.harness import write_result
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Mapping, Sequence
 
-from ikdflash.sources.pair import gguf_field, open_gguf
+from ikdflash.gguf_files import gguf_field, open_gguf
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")

@@ -36,7 +36,7 @@ import gguf
 
 from ikdflash import pausepoint
 from ikdflash.sources.hf import CheckpointError, read_config, read_json_object, read_tensors, text_config
-from ikdflash.sources.pair import gguf_field
+from ikdflash.gguf_files import DFLASH2_SETTINGS, gguf_field
 
 OUTTYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -97,7 +97,6 @@ class ConversionError(ValueError):
     """The checkpoint cannot be expressed as a dflash-draft GGUF; the message says why."""
 
 
-DFLASH2_SETTINGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 @dataclass
@@ -164,7 +163,7 @@ class TargetInfo:
 
 # --- reading the draft config ------------------------------------------------------------------
 
-# What the fork's draft loader accepts (cpp/dflash/dflash-draft.cpp); a checkpoint outside these
+# What the fork's draft loader accepts (cpp/dflash/dflash-draft-load.cpp); a checkpoint outside these
 # would convert into a file that cannot load, so it is refused here with the config key named.
 MAX_LAYERS = 64
 MAX_WIDTH = 1 << 16      # embedding, feed-forward, heads x head size

@@ -20,7 +20,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence, cast
+from typing import Sequence, cast
 
 import gguf
 import numpy as np
@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ikdflash.convert import DFLASH1_LAYOUT, DFLASH2_LAYOUT, DFLASH2_SETTINGS, Layout, global_tensors, layer_tensors
+from ikdflash.convert import DFLASH1_LAYOUT, DFLASH2_LAYOUT, Layout, global_tensors, layer_tensors
+from ikdflash.gguf_files import open_gguf, read_draft_header, tensor_values
 from ikdflash.sources.hf import write_tensors
 
 
@@ -389,32 +390,13 @@ class DraftFile:
 
 
 def read_draft_file(path: str | Path) -> DraftFile:
-    from ikdflash.sources.pair import gguf_field, open_gguf
-
     reader = open_gguf(path, "draft")
-    arch = gguf_field(reader, "general.architecture", None)
-    layout = {DFLASH1_LAYOUT.arch: DFLASH1_LAYOUT, DFLASH2_LAYOUT.arch: DFLASH2_LAYOUT}.get(arch)
-    if layout is None:
-        raise ValueError(f"draft {path}: not a DFlash draft (architecture {arch!r})")
-
-    def field(key: str, default: Any = None) -> Any:
-        return gguf_field(reader, f"{arch}.{key}", default)
-
-    n_layer = int(field("block_count"))
-    window = int(field("attention.sliding_window", 0))
-    # as the fork reads it: no window, no sliding layer; a window without a pattern slides them all
-    sliding = [window > 0 and bool(x) for x in field("attention.sliding_window_pattern", [True] * n_layer)]
-    if layout is DFLASH1_LAYOUT:
-        ids, mask = field("dflash.target_layer_ids"), field("dflash.mask_token_id")
-    else:  # the tokenizer's mask token; target layers numbered from 1 in files that have it there
-        mask = gguf_field(reader, "tokenizer.ggml.mask_token_id", None)
-        ids = [int(i) - (mask is not None) for i in field("target_layers")]
-        mask = mask if mask is not None else field("mask_token_id")
-    head = field("dflash.head_token_ids", None)
-    dflash2 = {name: int(field(name)) for name in DFLASH2_SETTINGS} if field(DFLASH2_SETTINGS[0]) else None
-    return DraftFile(reader=reader, layout=layout, n_layer=n_layer, sliding=sliding,
-                     target_layer_ids=[int(i) for i in ids], mask_token_id=int(mask),
-                     head_token_ids=[int(i) for i in head] if head is not None else None, dflash2=dflash2)
+    header = read_draft_header(reader, path)
+    if header.mask_token_id is None:
+        raise ValueError(f"draft {path}: no mask token id")
+    return DraftFile(reader=reader, layout=DFLASH1_LAYOUT if header.arch == DFLASH1_LAYOUT.arch else DFLASH2_LAYOUT,
+                     n_layer=header.n_layer, sliding=header.sliding, target_layer_ids=header.target_layer_ids,
+                     mask_token_id=header.mask_token_id, head_token_ids=header.head_token_ids, dflash2=header.dflash2)
 
 
 def init_from_draft(model: DraftModel, path: str | Path) -> None:
@@ -430,8 +412,6 @@ def init_from_draft(model: DraftModel, path: str | Path) -> None:
     any, becomes the model's cfg.head_token_ids (training keeps it when asked for as many ids). A
     DFlash1 draft starts a DFlash2 model too: its convolutions and selector keep their neutral
     start (BlockConv, CandidateSelector), so it proposes what the DFlash1 draft did."""
-    from gguf.quants import dequantize
-
     source = read_draft_file(path)
     cfg = model.cfg
     n_theirs = source.n_layer
@@ -468,9 +448,7 @@ def init_from_draft(model: DraftModel, path: str | Path) -> None:
         raise ValueError(f"draft {path}: no tensor {', '.join(missing[:3])}")
     with torch.no_grad():
         for gguf_name, name in ours_by_gguf.items():
-            t = found[gguf_name]
-            value = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
-                [int(x) for x in reversed(t.shape)])
+            value = tensor_values(found[gguf_name])
             if name == "fc.weight" and their_ids != list(cfg.target_layer_ids):
                 value = _spread_columns(value, their_ids, list(cfg.target_layer_ids))
             if tuple(value.shape) != tuple(state[name].shape):

@@ -40,8 +40,7 @@ class TorchTarget:
     Model.generate_many does."""
 
     def __init__(self, path: str | os.PathLike[str], device: str | None = None) -> None:
-        from ikdflash.sources.pair import gguf_field, open_gguf
-        from ikdflash.train import target_weights
+        from ikdflash.gguf_files import gguf_field, open_gguf, target_weights
 
         reader = open_gguf(path, "target")
         arch = gguf_field(reader, "general.architecture")
