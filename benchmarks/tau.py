@@ -23,7 +23,7 @@ from ikdflash import Server
 from ikdflash.serving.client import post_json
 from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
 from ikdflash.train.corpus import read_conversations
-from ikdflash.train import held_out_prompts
+from ikdflash.train.evaluate import held_out_prompts
 from ikdflash.train.evaluate import measure_acceptance
 
 from benchmarks.harness import SYSTEM, write_result

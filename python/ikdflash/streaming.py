@@ -8,10 +8,9 @@ from __future__ import annotations
 import codecs
 import queue
 import threading
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import Callable, Generic, Iterator, Sequence, TypeVar
 
-if TYPE_CHECKING:
-    from ikdflash.engine import SpeculationResult
+Result = TypeVar("Result")  # what the finished generation gives (Engine: a SpeculationResult)
 
 
 class TextDecoder:
@@ -76,14 +75,14 @@ class TextDecoder:
         return piece
 
 
-class TextStream:
+class TextStream(Generic[Result]):
     """Iterate for text pieces as the generation commits them; ``result`` holds the whole
     result once the iteration ends. The generation runs in a worker thread; ``close()`` (or
     leaving the iteration early and dropping the stream) ends it after the current step."""
 
     def __init__(self, run: Callable[[Callable[[list[int]], bool]], object], decoder: TextDecoder,
-                 finish: Callable[[object, TextDecoder], SpeculationResult]) -> None:
-        self.result: SpeculationResult | None = None
+                 finish: Callable[[object, TextDecoder], Result]) -> None:
+        self.result: Result | None = None
         self._decoder, self._finish = decoder, finish
         self._pieces: queue.Queue = queue.Queue()
         self._closed = False  # asked to end early
@@ -126,7 +125,7 @@ class TextStream:
         for _ in self:
             pass
 
-    def __enter__(self) -> TextStream:
+    def __enter__(self) -> TextStream[Result]:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,5 +1,5 @@
 """The `ikdflash` command. This file only wires subcommands; each lives in its own module here,
-imported when the parser is built (so `python -m ikdflash.train` and `python -m
+imported when the parser is built (so `python -m ikdflash.cli.train` and `python -m
 ikdflash.cli.convert` run without the compiled fork)."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ikdflash.train import DEFAULTS, DFLASH2_DEFAULTS, run_training
+from ikdflash.train.pipeline import DEFAULTS, DFLASH2_DEFAULTS, run_training
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,3 +117,19 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"ikdflash train: error: {e}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ikdflash.cli.train`: `ikdflash train` without the rest of the command line tool,
+    whose other commands load the compiled fork (a GPU machine can train on data captured there
+    by `data refresh --capture torch`, with --eval-prompts 0, and needs no build)."""
+    parser = argparse.ArgumentParser(prog="python -m ikdflash.cli.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.argv = ["train", *(sys.argv[1:] if argv is None else argv)]
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

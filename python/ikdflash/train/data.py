@@ -250,7 +250,7 @@ def build(target: str | os.PathLike[str], conversations: Iterable[Conversation],
           seed: int = 0, system: str | None = None, n_parallel: int = N_PARALLEL, progress: bool = True) -> Dataset:
     """Add sequences to the data folder until it holds max_rows rows (resuming where it stopped).
     system: a system message put first in every conversation (None: the template's default)."""
-    from ikdflash.train import target_shape
+    from ikdflash.gguf_files import target_shape
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -550,7 +550,7 @@ def answer(target: str | os.PathLike[str], prompts: str | os.PathLike[str], fold
 
 
 def _build_command(args: argparse.Namespace, target: str) -> Dataset:
-    from ikdflash.train import target_shape
+    from ikdflash.gguf_files import target_shape
     from ikdflash.train.corpus import training_conversations
 
     n_layer, _, _ = target_shape(target)
@@ -631,7 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "build":
             dataset = _build_command(args, target)
         elif args.command == "answer":
-            from ikdflash.train import target_shape
+            from ikdflash.gguf_files import target_shape
 
             layer_ids = args.target_layers or default_layer_ids(target_shape(target)[0])
             dataset = answer(target, args.prompts, args.folder, layer_ids=layer_ids, max_rows=args.rows,

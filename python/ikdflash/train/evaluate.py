@@ -1,12 +1,18 @@
-"""Held-out acceptance of a draft GGUF, measured in the fork's own speculative loop."""
+"""Held-out acceptance of a draft GGUF, measured in the fork's own speculative loop, on the
+first user turns of the corpus's held-out conversations."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
+from ikdflash.chat import chat_template
 from ikdflash.engine import Engine
+from ikdflash.model import Model
+from ikdflash.train.corpus import read_conversations
+from ikdflash.train.data import first_turn_tokens
 
 
 @dataclass
@@ -55,3 +61,23 @@ def measure_acceptance(target: str | os.PathLike[str], draft: str | os.PathLike[
     return Acceptance(prompts=len(prompts), steps=steps, drafted=drafted, accepted=accepted, generated=generated,
                       tokens_per_second=generated / busy if busy else 0.0,
                       per_position=[h / steps if steps else 0.0 for h in hits])
+
+
+def held_out_prompts(target: str | os.PathLike[str], corpus_path: Path | None, count: int,
+                     max_tokens: int = 1024, system: str | None = None) -> list[list[int]]:
+    """The first user turns of held-out conversations, in the target's chat format, as tokens."""
+    template = chat_template(target)
+    preamble = [("system", system)] if system else []
+    prompts = []
+    with Model(target, n_ctx=64) as model:
+        for conv in read_conversations(corpus_path):
+            if not conv.held_out:
+                continue
+            tokens = first_turn_tokens(model, template, preamble, conv)
+            if len(tokens) <= max_tokens:
+                prompts.append(tokens)
+            if len(prompts) == count:
+                break
+    if not prompts:
+        raise ValueError("the corpus has no held-out conversation to measure on")
+    return prompts
