@@ -6,7 +6,6 @@
 
 #include "dflash.h"
 #include "dflash-measure.h"
-#include "dflash-impl.h"
 #include "dflash-mask.h"
 
 #include <pybind11/numpy.h>

@@ -5,7 +5,7 @@
 
 #include "model.h"
 
-#include "dflash-impl.h"
+#include "dflash-measure.h"
 
 #include <map>
 #include <memory>
@@ -17,7 +17,6 @@ namespace ikdflash {
 
 namespace {
 
-using dflash_impl::now_ms;
 
 // Milliseconds per operation of the passes computed while it is installed, through the context's
 // eval callback: asked about every node, the scheduler computes the graph one node at a time, so
@@ -54,10 +53,10 @@ private:
     static bool on_node(ggml_tensor * t, bool ask, void * user_data) {
         auto * self = (OpTimer *) user_data;
         if (ask) {
-            self->started_ = now_ms();
+            self->started_ = dflash_now_ms();
             return true;  // every node: computed alone, then reported
         }
-        self->ms_[category(t)] += now_ms() - self->started_;
+        self->ms_[category(t)] += dflash_now_ms() - self->started_;
         return true;
     }
 
@@ -102,7 +101,7 @@ std::vector<std::vector<double>> time_passes(Model & model, const std::vector<in
     const std::string error = model.exclusive([&]() -> std::string {
         llama_batch batch = llama_batch_init(n_batch, 0, 1);
         auto decode = [&](int pos0, int n, bool all_logits) {
-            dflash_impl::fill_seq0_batch(batch, tokens.data() + pos0, n, pos0, all_logits);
+            dflash_batch_seq0(&batch, tokens.data() + pos0, n, pos0, all_logits);
             return llama_decode(ctx, batch);
         };
         std::string failure;
@@ -119,10 +118,10 @@ std::vector<std::vector<double>> time_passes(Model & model, const std::vector<in
         }
         for (int r = 0; r < repeats && failure.empty(); ++r) {
             for (size_t k = 0; k < n_rows.size() && failure.empty(); ++k) {
-                const double t0 = now_ms();
+                const double t0 = dflash_now_ms();
                 const int rc = decode(n_context, n_rows[k], true);
                 llama_synchronize(ctx);
-                times[k].push_back(now_ms() - t0);
+                times[k].push_back(dflash_now_ms() - t0);
                 if (timer) {
                     (*op_ms)[k].push_back(timer->take());
                 }
@@ -162,7 +161,7 @@ double memory_read_bandwidth(int n_threads, int mib, int repeats) {
     std::vector<uint64_t> sums(n_threads);
     double best = 0.0;
     for (int r = 0; r < repeats; ++r) {
-        const double t0 = now_ms();
+        const double t0 = dflash_now_ms();
         std::vector<std::thread> threads;
         for (int t = 0; t < n_threads; ++t) {
             threads.emplace_back([&, t] {
@@ -177,7 +176,7 @@ double memory_read_bandwidth(int n_threads, int mib, int repeats) {
         for (auto & th : threads) {
             th.join();
         }
-        const double ms = now_ms() - t0;
+        const double ms = dflash_now_ms() - t0;
         best = std::max(best, (double) (n * sizeof(uint64_t)) / (ms * 1e6));
     }
     uint64_t total = 0;

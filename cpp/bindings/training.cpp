@@ -10,7 +10,6 @@
 
 #include "dflash.h"
 #include "dflash-measure.h"
-#include "dflash-impl.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
@@ -237,7 +236,7 @@ py::tuple layer_features(Model & model, const std::vector<llama_token> & tokens,
         llama_kv_cache_clear(ctx);
         for (int i = 0; i < n && error.empty(); i += n_batch) {
             const int m = std::min(n_batch, n - i);
-            dflash_impl::fill_seq0_batch(batch, tokens.data() + i, m, i, true);
+            dflash_batch_seq0(&batch, tokens.data() + i, m, i, true);
             if (capture) {
                 dflash_capture_begin(capture.get(), true);
             }

@@ -496,6 +496,8 @@ int dflash_costs_set_passes(dflash_costs * costs, const double * pass_ms) {
     }, -1);
 }
 
+double dflash_now_ms(void) { return dflash_impl::now_ms(); }
+
 int dflash_costs_calibrate(dflash_costs * costs, llama_context * ctx) {
     return guarded([&]() -> int {
         if (costs->set_from_environment()) {

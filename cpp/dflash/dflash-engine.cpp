@@ -546,6 +546,10 @@ dflash_sampling dflash_sampling_default(void) {
     return p;
 }
 
+void dflash_batch_seq0(llama_batch * batch, const llama_token * tokens, int n, llama_pos pos0, bool all_logits) {
+    dflash_impl::fill_seq0_batch(*batch, tokens, n, pos0, all_logits);
+}
+
 int dflash_engine_generate(dflash_engine * engine, const llama_token * prompt, int n_prompt, int max_tokens, int n_max,
                            bool adaptive, const dflash_sampling * sampling, llama_token * out, dflash_stats * stats,
                            int32_t * step_lengths, dflash_logprobs * logprobs) {

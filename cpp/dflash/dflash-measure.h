@@ -48,6 +48,16 @@ DFLASH_API int  dflash_capture_features(const dflash_capture * capture, float * 
 // pass_ms: max_rows times, for 1..max_rows rows (a known machine; tests). Returns 0 on success.
 DFLASH_API int    dflash_costs_set_passes(dflash_costs * costs, const double * pass_ms);
 
+// The clock the runtime times its passes with: steady, in milliseconds.
+DFLASH_API double dflash_now_ms(void);
+
+// --- target passes --------------------------------------------------------------------------------
+
+// batch = n tokens of sequence 0 at positions pos0.., with logits for every row or the last only,
+// as the runtime's own passes are (batch holds at least n tokens).
+DFLASH_API void   dflash_batch_seq0(struct llama_batch * batch, const llama_token * tokens, int n, llama_pos pos0,
+                                    bool all_logits);
+
 #ifdef __cplusplus
 }
 #endif
