@@ -175,15 +175,43 @@ def test_the_comparison_says_whether_drafting_paid():
     from ikdflash.engine import SpeculationResult, SpeculationStats
     from ikdflash.cli.generate import comparison
 
-    def result(seconds: float, plain_steps: int = 0) -> SpeculationResult:
-        stats = SpeculationStats(prompt_tokens=5, generated=40, drafted=0, accepted=0, steps=39, prompt_time=0.0,
-                                 draft_time=0.0, verify_time=seconds, steps_by_verified=[plain_steps, 0])
+    def result(seconds: float, steps: int = 39, drafted: int = 0, draft_seconds: float = 0.0,
+               plain_steps: int = 0) -> SpeculationResult:
+        stats = SpeculationStats(prompt_tokens=5, generated=40, drafted=drafted, accepted=39 - steps, steps=steps,
+                                 prompt_time=0.0, draft_time=draft_seconds, verify_time=seconds,
+                                 steps_by_verified=[plain_steps, 0])
         return SpeculationResult(text="", tokens=[1] * 40, stats=stats)
 
     slower = comparison(result(1.05, plain_steps=38), result(1.0))
     assert "DFlash 0.95x its speed: drafting does not pay for this pair on this machine; the adaptive block " \
            "length decoded 95% of the tokens without drafts" in slower
-    assert comparison(result(0.5), result(1.0)).endswith("DFlash 2.00x its speed")
+    assert comparison(result(0.45, steps=19, drafted=30, draft_seconds=0.05), result(1.0)).endswith(
+        "DFlash 2.00x its speed")
+
+
+def test_the_comparison_refuses_runs_too_unlike_to_compare():
+    """A ratio past what the runs' own counts allow (docs/commands.md#generate) is the machine's
+    speed changing between them: one draft in 40 tokens cannot make DFlash 4x faster, nor can
+    one pass for each token and one cheap draft make it 4x slower. Just inside the bounds, the
+    ratio is printed."""
+    from ikdflash.engine import SpeculationResult, SpeculationStats
+    from ikdflash.cli.generate import SLACK, comparison, ratio_bounds
+
+    def result(seconds: float, steps: int = 39, drafted: int = 0, draft_seconds: float = 0.0) -> SpeculationResult:
+        stats = SpeculationStats(prompt_tokens=5, generated=40, drafted=drafted, accepted=39 - steps, steps=steps,
+                                 prompt_time=0.0, draft_time=draft_seconds, verify_time=seconds)
+        return SpeculationResult(text="", tokens=[1] * 40, stats=stats)
+
+    plain = result(1.0)
+    one_draft = result(0.25, steps=38, drafted=1, draft_seconds=0.001)
+    assert "the two runs are too unlike to compare (DFlash read 3.98x" in comparison(one_draft, plain)
+    assert "too unlike" in comparison(result(4.0), plain)
+    low, high = ratio_bounds(result(1.0, steps=38, drafted=1, draft_seconds=0.001).stats, plain.stats)
+    for ratio in (low / SLACK * 1.01, high * SLACK * 0.99):
+        line = comparison(result(1.0 / ratio, steps=38, drafted=1, draft_seconds=0.001), plain)
+        assert "too unlike" not in line and f"DFlash {ratio:.2f}x its speed" in line, line
+    for ratio in (low / SLACK * 0.99, high * SLACK * 1.01):
+        assert "too unlike" in comparison(result(1.0 / ratio, steps=38, drafted=1, draft_seconds=0.001), plain)
 
 
 def test_the_built_in_pairs_chat_defaults_apply_unless_overridden():

@@ -114,11 +114,36 @@ def streamed(engine: Engine, tokens: list[int], echo: bool, max_tokens: int, sto
     return stream.result
 
 
+SLACK = 1.15  # how far past its bounds a ratio may fall before the two runs count as unlike
+
+
+def ratio_bounds(out: SpeculationStats, plain: SpeculationStats) -> tuple[float, float]:
+    """The speed ratios DFlash's run can have against the target alone's when both ran at the
+    machine's same speed (docs/commands.md#generate), in units of the target alone's step: at
+    best each of DFlash's target passes cost one step and its drafting nothing; at worst each row
+    it verified cost a step too, and its drafting came on top."""
+    plain_busy = plain.draft_time + plain.verify_time
+    plain_step = plain_busy / max(plain.steps, 1)
+    best_time = max(out.steps, 1) * plain_step
+    worst_time = (max(out.steps, 1) + out.drafted) * plain_step + out.draft_time
+    speed = out.generated * plain_busy / plain.generated  # the ratio is speed / DFlash's time
+    return speed / worst_time, speed / best_time
+
+
 def comparison(out: SpeculationResult, plain: SpeculationResult) -> str:
-    """The target alone's line: its speed, DFlash's against it, and plainly whether drafting paid."""
+    """The target alone's line: its speed, DFlash's against it, and plainly whether drafting paid;
+    when the ratio is outside what the two runs' own counts allow, that the runs were too unlike
+    to compare (the machine's speed changed between them)."""
     assert out.stats is not None and plain.stats is not None
-    ratio = out.stats.tokens_per_second / plain.stats.tokens_per_second if plain.stats.generated else 0.0
-    line = summary("target alone", plain.stats, plain.finish_reason) + f"; DFlash {ratio:.2f}x its speed"
+    line = summary("target alone", plain.stats, plain.finish_reason)
+    if not plain.stats.generated or not out.stats.generated:
+        return line
+    ratio = out.stats.tokens_per_second / plain.stats.tokens_per_second
+    low, high = ratio_bounds(out.stats, plain.stats)
+    if not low / SLACK <= ratio <= high * SLACK:
+        return line + (f"; the two runs are too unlike to compare (DFlash read {ratio:.2f}x, where its own counts "
+                       f"allow {low:.2f}x to {high:.2f}x: the machine's speed changed between them)")
+    line += f"; DFlash {ratio:.2f}x its speed"
     if plain.tokens != out.tokens:
         line += " (outputs differ!)"
     elif ratio < PAYS:
