@@ -189,7 +189,7 @@ def test_rebuilding_the_graph_keeps_the_block_length_from_flipping():
 def test_a_stale_pass_cost_is_measured_again():
     """A 5-row pass calibrated too dear (2.0 one-row passes against a true 1.2) kept an
     always-right draft at k = 3, where it was never measured again; a row count unmeasured for
-    256 passes is tried for two steps, and the second one's time moves its estimate halfway."""
+    256 passes is tried for two steps, and the second one's time replaces its estimate."""
     true = [1.0, 1.05, 1.1, 1.15, 1.2]
     ctl = BlockController(4, [1.0, 1.05, 1.1, 1.15, 2.0], 0.3)
     chosen = []
@@ -202,6 +202,34 @@ def test_a_stale_pass_cost_is_measured_again():
         chosen.append(k)
     assert set(chosen[:200]) == {3}
     assert set(chosen[-200:]) == {4}, chosen[-200:]
+
+
+STALE_PASSES = 256  # k_stale_passes in dflash-adapt.cpp
+
+
+def test_a_start_up_calibration_three_times_too_dear_is_corrected_and_drafting_resumes():
+    """A server calibrated its passes on a busy machine: every pass of 2 rows or more measured 3x
+    what it costs. At k = 0 no such pass runs again, so drafting stayed off for good. Once the
+    2-row cost has gone STALE_PASSES passes unmeasured, the next due probe verifies its draft for
+    two steps instead, the second pass's time replaces the estimate, and a draft kept 4 times in
+    5 drafts again. The bound: drafting resumes within STALE_PASSES + 2 probe intervals (30
+    steps here) of plain steps."""
+    true = [1.0, 1.17, 1.44, 1.95, 2.74]
+    ctl = BlockController(4, [true[0]] + [3 * ms for ms in true[1:]], 0.15)
+    chosen = []
+    for step in range(STALE_PASSES + 200):
+        n_draft, k = ctl.plan(4)
+        right = step % 5 != 0
+        if n_draft:
+            ctl.proposed([1] * n_draft)
+        ctl.observe_pass(k + 1, true[k])
+        ctl.committed(k, [1] * (k + 1) if right else [2])
+        chosen.append(k)
+    bound = STALE_PASSES + 2 * 30
+    assert set(chosen[:STALE_PASSES]) == {0}, chosen[:STALE_PASSES]   # the dear calibration holds it off
+    resumed = next(i for i in range(STALE_PASSES, len(chosen) - 10) if min(chosen[i:i + 10]) > 0)
+    assert resumed <= bound, chosen[STALE_PASSES:]
+    assert sum(k > 0 for k in chosen[-100:]) >= 90, chosen[-100:]
 
 
 def test_an_estimate_reaches_one_for_a_draft_that_is_always_right():

@@ -79,10 +79,11 @@ constexpr int k_calibration_stride = 4;
 // A row count no pass has measured for this many passes is stale: its cost is still the
 // calibration's (or an old one), and a k it makes look dear is never chosen, so never measured
 // again (the always-right pair once sat at k = 3 for 496 steps on a 5-row cost calibrated too
-// high). The controller then verifies one more draft for two steps (the second reuses the graph
-// and counts), and that measurement moves the stale estimate this far.
+// high; a server whose start-up calibration met a busy machine never drafted). The controller
+// then verifies one more draft for two steps (at k = 0, its next probe does: the second step
+// reuses the graph and counts), and that measurement replaces the stale estimate (within
+// k_outlier of it).
 constexpr long k_stale_passes = 256;
-constexpr double k_stale_weight = 0.5;
 // A step verifying k < n_limit drafts has the draft propose one token more every this many steps,
 // so position k + 1 stays measured. Every step did: on the built-in pair a 2-token draft step costs
 // ~0.35 ms more than a 1-token one, 4% of a step at k = 1, which kept the controller at k = 0 where
@@ -171,10 +172,13 @@ struct dflash_costs {
             return;
         }
         ms = clamped(ms, pass_ms(rows));
-        const double weight = stale(rows) ? k_stale_weight : k_shape_weight;
-        scale_ms += k_scale_weight * (ms / shape[rows] - scale_ms);
-        if (rows > 1) {
-            shape[rows] += weight * (ms / scale_ms - shape[rows]);
+        if (rows > 1 && stale(rows)) {  // the shape is an old guess: the measurement replaces it
+            shape[rows] = ms / scale_ms;
+        } else {
+            scale_ms += k_scale_weight * (ms / shape[rows] - scale_ms);
+            if (rows > 1) {
+                shape[rows] += k_shape_weight * (ms / scale_ms - shape[rows]);
+            }
         }
         measured_at[rows] = n_passes;
     }
@@ -414,6 +418,13 @@ struct dflash_adapt {
             return {0, 0};
         }
         since_probe = 0;
+        if (others.rows == 0 && costs->stale(2)) {
+            // The 2-row pass's cost is stale: at k = 0 it is never measured, so a start-up
+            // calibration taken on a busy machine would keep drafting off for good. This probe
+            // verifies one draft instead, for two steps (the second reuses the graph and counts).
+            explore_left = 1;
+            return {drafted_for(1, n_limit), 1};
+        }
         stats.n_probes += 1;
         // Once probes have hit past a new request's evidence (which probes at its first plain
         // step), the draft looks right: a probe then proposes the block that would pay if every
