@@ -217,7 +217,8 @@ def test_the_comparison_refuses_runs_too_unlike_to_compare():
 def test_the_built_in_pairs_chat_defaults_apply_unless_overridden():
     import argparse
 
-    from ikdflash.cli.generate import add_arguments, decoding_options, system_message
+    from ikdflash.cli.decoding import decoding_options, system_message
+    from ikdflash.cli.generate import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from ikdflash import pausepoint, rules
 from ikdflash.engine import Engine
-from ikdflash.cli.generate import add_decoding_arguments, check_engine_options, decoding_options, summary, system_message
+from ikdflash.cli.decoding import add_decoding_arguments, check_engine_options, decoding_options, system_message
+from ikdflash.cli.stats import summary
 from ikdflash.sources.references import HubError, add_model_arguments, resolve_models
 
 HISTORY = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ikdflash" / "chat_history"

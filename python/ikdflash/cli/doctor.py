@@ -20,7 +20,7 @@ from typing import Any
 
 from ikdflash import _core
 from ikdflash.serving import fork
-from ikdflash.cli.bench import Cell
+from ikdflash.cli.stats import Cell
 from ikdflash.engine import Engine, SpeculationStats
 from ikdflash.sources.references import HubError, add_model_arguments, resolve_models
 from ikdflash.sources.pair import check_pair

@@ -25,8 +25,10 @@ import sys
 from typing import Sequence
 
 from ikdflash import pausepoint, rules
-from ikdflash.engine import Engine, Sampling, SpeculationResult, SpeculationStats
-from ikdflash.sources.references import HubError, add_model_arguments, chat_defaults, resolve_models
+from ikdflash.cli.decoding import add_decoding_arguments, check_engine_options, decoding_options, system_message
+from ikdflash.cli.stats import summary
+from ikdflash.engine import Engine, SpeculationResult, SpeculationStats
+from ikdflash.sources.references import HubError, add_model_arguments, resolve_models
 
 # Below this speed-up DFlash is said not to pay: the machine's noise is a few percent.
 PAYS = 1.03
@@ -45,55 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", help="a string that ends the text (repeatable)")
     parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                         help="also generate with the target alone and compare speeds (default; --no-compare skips it)")
-
-
-def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
-    """Draft length and sampling, for the commands that generate (generate, chat)."""
-    parser.add_argument("--n-max", type=int, help="draft tokens per step, at most: 1 up to what one draft pass "
-                        "proposes (default 4, or that when fewer)")
-    parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
-                        help="each step verifies as many drafts as pay on this machine (default); "
-                             "--no-adaptive: always --n-max")
-    parser.add_argument("--temperature", type=float, help="0: greedy (default)")
-    parser.add_argument("--repeat-penalty", type=float,
-                        help="penalty on the last 64 tokens (default 1: off; the built-in pair: 1.1)")
-    parser.add_argument("--seed", type=int, help="sampling seed (with --temperature)")
-
-
-def check_engine_options(args: argparse.Namespace) -> None:
-    """The context and thread counts of the commands that load an engine (generate, chat)."""
-    rules.at_least_one(args.ctx_size, "--ctx-size")
-    if args.threads is not None:
-        rules.at_least_one(args.threads, "--threads")
-
-
-def decoding_options(args: argparse.Namespace) -> dict:
-    """Engine keywords from add_decoding_arguments' options (and --max-tokens), over the pair's
-    chat defaults; each value checked by its rule before anything is loaded (ValueError)."""
-    rules.max_tokens(args.max_tokens, name="--max-tokens")
-    rules.n_max(args.n_max, None, name="--n-max")  # its upper bound once the draft is loaded
-    options = {k: v for k, v in chat_defaults(args).items() if k != "system"}
-    options.update({name: getattr(args, name) for name in ("temperature", "repeat_penalty", "seed")
-                    if getattr(args, name) is not None})
-    sampling = Sampling(**options)  # the sampling rules
-    if "seed" in options:
-        options["seed"] = sampling.seed  # -1 drawn once, so that every run of the command shares it
-    return {"n_max": args.n_max, "adaptive": args.adaptive, **options}
-
-
-def system_message(args: argparse.Namespace) -> str | None:
-    return args.system if args.system is not None else chat_defaults(args).get("system")
-
-
-def summary(label: str, stats: SpeculationStats, finish_reason: str) -> str:
-    line = f"{label}: {stats.generated} tokens ({finish_reason}), {stats.tokens_per_second:.1f} tok/s"
-    if stats.drafted:
-        line += (f", acceptance {stats.acceptance:.1%}, tau {stats.mean_acceptance_length:.2f} "
-                 f"({stats.accepted}/{stats.drafted} drafts accepted in {stats.steps} steps)")
-    if stats.steps_by_verified and stats.steps_by_verified[0]:
-        line += (f"; {stats.steps_by_verified[0]} of {stats.generated} tokens decoded one at a time "
-                 f"({stats.probes} probes)")
-    return line
 
 
 WARM_UP_TOKENS = 4  # a short generation per engine before the timed ones
