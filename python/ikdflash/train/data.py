@@ -37,6 +37,10 @@ where the fork need not even be built, the saved answers take seconds.
     python -m ikdflash.train.data tokens FOLDER answers.npz
     python -m ikdflash.train.data refresh --target T.gguf answers.npz NEW_FOLDER
     python -m ikdflash.train.data refresh --target T.gguf --capture torch answers.npz NEW_FOLDER
+    python -m ikdflash.train.data prompts --target T.gguf --count 2000 prompts.npz
+    python -m ikdflash.train.data answer --target T.gguf prompts.npz NEW_FOLDER   # in PyTorch
+
+docs/training.md lists the five subcommands.
 """
 
 from __future__ import annotations
