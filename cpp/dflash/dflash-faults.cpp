@@ -1,5 +1,7 @@
 // Fault injection for tests (dflash_fault in dflash.h): the paths that handle a failed capture or
 // a full KV cache cannot be reached with real models on demand, so tests ask for the fault by name.
+// Inert unless IKDFLASH_FAULTS is set; CONTRIBUTING.md ("Fault points and pause points") lists the
+// points with the Python commands' pause points.
 
 #include "dflash.h"
 

@@ -1,4 +1,6 @@
-"""Pause points: named places where a test can hold a command, then signal it there.
+"""Pause points: named places where a test can hold a command, then signal it there. A test
+hook, inert unless IKDFLASH_TEST_PAUSE is set; CONTRIBUTING.md ("Fault points and pause
+points") documents it with the runtime's fault points.
 
     IKDFLASH_TEST_PAUSE=point@k,...     (k defaults to 1; read once per process)
 
