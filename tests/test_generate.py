@@ -159,7 +159,9 @@ def test_chat_drops_the_oldest_turns_and_ctrl_c_stops_a_reply(tiny_model, tiny_d
 
 
 def test_generate_says_plainly_when_drafting_does_not_pay(tiny_model, tiny_draft, capsys, monkeypatch):
-    """Costs where no draft pays: every token is decoded one at a time, and the line says so."""
+    """Costs where no draft pays: every token is decoded one at a time, and the line says so. On a
+    tiny model a pass takes about a millisecond, so the two runs' speeds are the machine's noise:
+    the comparison is either a ratio or the word that the runs were too unlike to compare."""
     monkeypatch.setenv("IKDFLASH_COSTS", "50:1,5")
     target = tiny_model("llama")
     draft = tiny_draft(target, target_layer_ids=[0, 2], layer_types=["sliding_attention", "full_attention"],
@@ -168,7 +170,8 @@ def test_generate_says_plainly_when_drafting_does_not_pay(tiny_model, tiny_draft
                  "--n-max", "1", "the river town"]) == 0
     dflash, alone = capsys.readouterr().err.strip().splitlines()
     assert "39 of 40 tokens decoded one at a time" in dflash
-    assert alone.startswith("target alone: 40 tokens") and "x its speed" in alone
+    assert alone.startswith("target alone: 40 tokens")
+    assert "x its speed" in alone or "the two runs are too unlike to compare" in alone, alone
 
 
 def test_the_comparison_says_whether_drafting_paid():
