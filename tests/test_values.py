@@ -53,6 +53,7 @@ SERVE = [
     (["-c", "0"], "--ctx-size must be at least 1, got 0"),
     (["--parallel", "0"], "--parallel must be at least 1, got 0"),
     (["--min-accept", "2"], "min_accept must be a number in [0, 1], got 2.0"),
+    (["--startup-timeout", "0"], "--startup-timeout must be > 0 seconds, got 0.0"),
     (["--", "--port", "70000"], "--port must be in 0..65535 (0: a free one), got '70000'"),
     (["--", "--spec-type", "dflash:bogus=1"], "unknown key 'bogus'"),
     (["--", "--spec-type", "dflash:n_max=-1"], "n_max must be at least 1, got -1"),
@@ -76,6 +77,9 @@ def test_the_command_line_refuses_each_bad_value(pair, command, args, says):
 
 PYTHON_CASES = {  # call -> what it is refused with; `engine` has the draft, `alone` has none
     "Engine(target, draft, cross_ctx=-1)": "cross_ctx must be >= 0 (0: the target's context), got -1",
+    "Engine(target, draft, n_ctx=0)": "n_ctx must be at least 1, got 0",
+    "Engine(target, draft, n_batch=0)": "n_batch must be at least 1, got 0",
+    "Engine(target, draft, n_threads=0)": "n_threads must be at least 1, got 0",
     "engine.speculate('hi', n_max=-3)": in_range("n_max", 1, MOST, -3, N_MAX_NOTE),
     "engine.speculate('hi', n_max=0)": in_range("n_max", 1, MOST, 0, N_MAX_NOTE),
     "engine.speculate('hi', n_max=100)": in_range("n_max", 1, MOST, 100, N_MAX_NOTE),

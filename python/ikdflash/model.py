@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ikdflash import _core
+from ikdflash import _core, rules
 
 
 def repack_by_default(path: str | os.PathLike[str], n_gpu_layers: int = 0) -> bool:
@@ -48,6 +48,9 @@ class Model:
                  n_threads: int | None = None, n_gpu_layers: int = 0, repack: bool | None = None,
                  batch_invariant: bool = False, verbose: bool = False) -> None:
         _core.set_verbose(verbose)
+        rules.at_least_one(n_batch, "n_batch")
+        if n_threads is not None:
+            rules.at_least_one(n_threads, "n_threads")
         if repack is None:
             repack = repack_by_default(path, n_gpu_layers)
         self._native = _core.Model(os.fspath(path), n_ctx=n_ctx, n_threads=n_threads or 0,

@@ -169,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
         rules.port(args.port, "--port")
         rules.cross_ctx(args.cross_ctx, "--cross-ctx")
         rules.n_max(args.n_max, None, name="--n-max")  # its upper bound once the draft is read
+        if not args.startup_timeout > 0:
+            raise ValueError(f"--startup-timeout must be > 0 seconds, got {args.startup_timeout}")
         args.target, args.draft = resolve_models(args)
         server = build_server(args)
         report = check_pair(args.target, args.draft, cross_ctx=args.cross_ctx, ctx_size=args.ctx_size)
