@@ -52,7 +52,7 @@ SERVE = [
     (["--port", "-1"], "--port must be in 0..65535 (0: a free one), got -1"),
     (["-c", "0"], "--ctx-size must be at least 1, got 0"),
     (["--parallel", "0"], "--parallel must be at least 1, got 0"),
-    (["--min-accept", "2"], "min_accept must be a number in [0, 1], got 2.0"),
+    (["--min-accept", "2"], "min_accept must be a number in [0, 1], got '2.0'"),
     (["--startup-timeout", "0"], "--startup-timeout must be > 0 seconds, got 0.0"),
     (["--", "--port", "70000"], "--port must be in 0..65535 (0: a free one), got '70000'"),
     (["--", "--spec-type", "dflash:bogus=1"], "unknown key 'bogus'"),

@@ -290,6 +290,26 @@ std::vector<int64_t> steps_by_verified(const dflash_adapt_stats & stats, int n_m
     return std::vector<int64_t>(stats.n_steps_at, stats.n_steps_at + n + 1);
 }
 
+// What `--spec-type dflash:TEXT` names, parsed by the runtime's own parser (the server's): the
+// named keys only, so the caller keeps its own defaults for the rest.
+py::dict parse_spec_options(const std::string & text) {
+    dflash_spec_options options{};
+    uint32_t named = 0;
+    if (dflash_parse_spec_options_named(text.c_str(), &options, &named) != 0) {
+        throw py::value_error(dflash_last_error());
+    }
+    py::dict out;
+    if (named & DFLASH_SPEC_N_MAX) out["n_max"] = options.n_max;
+    if (named & DFLASH_SPEC_N_MIN) out["n_min"] = options.n_min;
+    if (named & DFLASH_SPEC_P_MIN) out["p_min"] = options.p_min;
+    if (named & DFLASH_SPEC_CROSS_CTX) out["cross_ctx"] = options.cross_ctx;
+    if (named & DFLASH_SPEC_FULL_ATTENTION) out["full_attention"] = options.full_attention;
+    if (named & DFLASH_SPEC_LOG_DRAFTS) out["log_drafts"] = options.log_drafts;
+    if (named & DFLASH_SPEC_MIN_ACCEPT) out["min_accept"] = options.min_accept;
+    if (named & DFLASH_SPEC_ADAPTIVE) out["adaptive"] = options.adaptive;
+    return out;
+}
+
 // The adaptive block length's controller on pass costs given, with no model: tests drive it with
 // acceptance patterns of their own. adaptive = false: the fixed block length.
 class BlockController {
@@ -588,6 +608,8 @@ void bind_dflash(py::module_ & m) {
              py::arg("on_commit") = py::none());
     m.def("attention_mask", &attention_mask, py::arg("key_positions"), py::arg("start"), py::arg("n_query"),
           py::arg("sliding"), py::arg("causal"), py::arg("window"), py::arg("kv_pad") = 1);
+    m.def("parse_spec_options", &parse_spec_options, py::arg("text"),
+          "The keys `--spec-type dflash:TEXT` names, with their values, as llama-server parses them.");
 }
 
 }  // namespace ikdflash

@@ -42,7 +42,12 @@ bool parse_flag(const std::string & key, const std::string & value) {
 }  // namespace
 
 int dflash_parse_spec_options(const char * text, dflash_spec_options * options) {
+    return dflash_parse_spec_options_named(text, options, nullptr);
+}
+
+int dflash_parse_spec_options_named(const char * text, dflash_spec_options * options, uint32_t * named) {
     return guarded([&]() -> int {
+        uint32_t seen = 0;
         const std::string all = text ? text : "";
         size_t begin = 0;
         while (begin < all.size()) {
@@ -62,24 +67,35 @@ int dflash_parse_spec_options(const char * text, dflash_spec_options * options) 
             const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
             if (key == "n_max") {
                 options->n_max = (int32_t) parse_int(key, value, 1);
+                seen |= DFLASH_SPEC_N_MAX;
             } else if (key == "n_min") {
                 options->n_min = (int32_t) parse_int(key, value, 0);
+                seen |= DFLASH_SPEC_N_MIN;
             } else if (key == "p_min") {
                 options->p_min = parse_fraction(key, value);
+                seen |= DFLASH_SPEC_P_MIN;
             } else if (key == "min_accept") {
                 options->min_accept = parse_fraction(key, value);
+                seen |= DFLASH_SPEC_MIN_ACCEPT;
             } else if (key == "cross_ctx" || key == "dflash_cross_ctx") {
                 options->cross_ctx = (int32_t) parse_int(key, value, 0);  // 0: the slot's context
+                seen |= DFLASH_SPEC_CROSS_CTX;
             } else if (key == "full_attention") {
                 options->full_attention = parse_flag(key, value);
+                seen |= DFLASH_SPEC_FULL_ATTENTION;
             } else if (key == "log_drafts") {
                 options->log_drafts = parse_flag(key, value);
+                seen |= DFLASH_SPEC_LOG_DRAFTS;
             } else if (key == "adaptive") {
                 options->adaptive = parse_flag(key, value);
+                seen |= DFLASH_SPEC_ADAPTIVE;
             } else {
                 fail("--spec-type dflash: unknown key '%s' (known: n_max, n_min, p_min, cross_ctx, "
                      "dflash_cross_ctx, full_attention, log_drafts, min_accept, adaptive)", key.c_str());
             }
+        }
+        if (named != nullptr) {
+            *named = seen;
         }
         return 0;
     }, -1);

@@ -377,6 +377,15 @@ struct dflash_spec_options {
 // or -1 with dflash_last_error() naming the key and the problem.
 DFLASH_API int dflash_parse_spec_options(const char * text, dflash_spec_options * options);
 
+// The same, and *named gets the bit of each field the text names (DFLASH_SPEC_<FIELD>), so a
+// caller with defaults of its own (the Python package's SpecType) parses with this one parser.
+enum {
+    DFLASH_SPEC_N_MAX = 1 << 0, DFLASH_SPEC_N_MIN = 1 << 1, DFLASH_SPEC_P_MIN = 1 << 2,
+    DFLASH_SPEC_CROSS_CTX = 1 << 3, DFLASH_SPEC_FULL_ATTENTION = 1 << 4, DFLASH_SPEC_LOG_DRAFTS = 1 << 5,
+    DFLASH_SPEC_MIN_ACCEPT = 1 << 6, DFLASH_SPEC_ADAPTIVE = 1 << 7,
+};
+DFLASH_API int dflash_parse_spec_options_named(const char * text, dflash_spec_options * options, uint32_t * named);
+
 // --- fault injection (tests) ---------------------------------------------------------------------
 
 // True on the calls that the environment variable IKDFLASH_FAULTS="point@k,..." names: the k-th

@@ -22,6 +22,9 @@ def attention_mask(key_positions: list[int], start: int, n_query: int, sliding: 
 
 def repack_keeps_results(path: str) -> bool: ...
 
+def parse_spec_options(text: str) -> dict[str, Any]:
+    """The keys `--spec-type dflash:TEXT` names, with their values, as llama-server parses them."""
+
 
 class Model:
     """A GGUF model and its context. Raises FileNotFoundError / ValueError naming the file."""

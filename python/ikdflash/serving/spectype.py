@@ -1,7 +1,7 @@
-"""The `--spec-type dflash[:k=v,...]` grammar, on the Python side: one place that builds and
-checks the flag for `ikdflash serve`, the tests and anything else that starts llama-server.
-
-The fork parses the same grammar (cpp/dflash/dflash-args.cpp); keys and limits agree:
+"""The `--spec-type dflash[:k=v,...]` flag, on the Python side: one place that builds it for
+`ikdflash serve`, the tests and anything else that starts llama-server. Its keys and values are
+checked by the fork's own parser (cpp/dflash/dflash-args.cpp, bound as
+_core.parse_spec_options), the one llama-server runs:
 
     >>> SpecType(n_max=4, cross_ctx=8192).flag()
     'dflash:n_max=4,cross_ctx=8192'
@@ -12,11 +12,11 @@ The fork parses the same grammar (cpp/dflash/dflash-args.cpp); keys and limits a
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
-KEYS = ("n_max", "n_min", "p_min", "cross_ctx", "full_attention", "log_drafts", "min_accept", "adaptive")
+from ikdflash import _core
+
 SWITCHES = ("full_attention", "log_drafts", "adaptive")  # 0/1 on the command line
-FRACTIONS = ("p_min", "min_accept")
-ALIASES = {"dflash_cross_ctx": "cross_ctx"}
 
 
 class SpecTypeError(ValueError):
@@ -37,14 +37,7 @@ class SpecType:
     adaptive: bool | None = None  # verify as many drafts as pay each step (None: the server's default, on)
 
     def __post_init__(self) -> None:
-        for name, low in (("n_max", 1), ("n_min", 0), ("cross_ctx", 0)):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < low):
-                raise SpecTypeError(f"--spec-type dflash: {name} must be at least {low}, got {value}")
-        for name in FRACTIONS:
-            value = getattr(self, name)
-            if value is not None and not 0.0 <= value <= 1.0:
-                raise SpecTypeError(f"--spec-type dflash: {name} must be a number in [0, 1], got {value}")
+        _parsed(self.flag())  # the server's parser checks every value
 
     def flag(self) -> str:
         """The value of --spec-type."""
@@ -57,25 +50,17 @@ class SpecType:
 
     @classmethod
     def parse(cls, text: str) -> SpecType:
-        kind, _, rest = text.partition(":")
-        if kind != "dflash":
-            raise SpecTypeError(f"--spec-type {text}: only 'dflash[:k=v,...]' is built here")
-        values: dict[str, object] = {}
-        for item in filter(None, rest.split(",")):
-            key, eq, value = item.partition("=")
-            if not eq:
-                raise SpecTypeError(f"--spec-type dflash: '{item}' is not key=value")
-            key = ALIASES.get(key, key)
-            if key not in KEYS:
-                raise SpecTypeError(f"--spec-type dflash: unknown key '{key}' (known: {', '.join(KEYS)}, "
-                                    "dflash_cross_ctx)")
-            if key in SWITCHES:
-                if value not in ("0", "1"):
-                    raise SpecTypeError(f"--spec-type dflash: {key} must be 0 or 1, got '{value}'")
-                values[key] = value == "1"
-                continue
-            try:
-                values[key] = float(value) if key in FRACTIONS else int(value)
-            except ValueError:
-                raise SpecTypeError(f"--spec-type dflash: {key}={value} is not a number") from None
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**_parsed(text))
+
+
+def _parsed(text: str) -> dict[str, Any]:
+    """The keys a --spec-type value names, parsed by the fork's parser; SpecTypeError if it refuses."""
+    kind, _, rest = text.partition(":")
+    if kind != "dflash":
+        raise SpecTypeError(f"--spec-type {text}: only 'dflash[:k=v,...]' is built here")
+    try:
+        named = _core.parse_spec_options(rest)
+    except ValueError as e:
+        raise SpecTypeError(str(e)) from None
+    # the parser keeps fractions as 32-bit floats: 7 significant digits give back what was written
+    return {key: float(f"{value:.7g}") if isinstance(value, float) else value for key, value in named.items()}
