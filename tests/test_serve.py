@@ -605,11 +605,23 @@ def test_a_refused_start_says_why_in_a_few_lines(pair, tmp_path):
 
 
 def test_a_server_leaves_no_file_behind(pair, tmp_path, monkeypatch):
+    """Nothing in the working directory but the log asked for; and the folder a server ran in is
+    removed, at its stop or, when the process that started it was killed outright, at the next
+    server's start."""
+    import tempfile
+
+    from ikdflash.serving.server import WORKDIR_PREFIX
     target, _ = pair
     monkeypatch.chdir(tmp_path)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{gone.stdout.strip()}-"))
+    (orphan / "llama.log").write_text("a killed process's server wrote this")
     with Server(target, ctx_size=512, n_threads=2, log_file="server.log") as url:
         post_json(url + "/completion", {"prompt": "hi", "n_predict": 2})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["server.log"]
+        assert not orphan.exists()
+        ours = list(Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}{os.getpid()}-*"))
+        assert ours
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["server.log"] and not any(p.exists() for p in ours)
 
 
 def started(command: list[str]) -> tuple[subprocess.Popen, str]:

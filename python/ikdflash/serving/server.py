@@ -164,6 +164,24 @@ def end_with(parent: int) -> Callable[[], None] | None:
     return set_parent_death_signal
 
 
+WORKDIR_PREFIX = "ikdflash-server-"  # then the pid of the process that started the server
+
+
+def remove_orphaned_workdirs() -> None:
+    """Remove the folders of servers whose starting process is gone: one killed outright (SIGKILL)
+    could not remove its server's folder, and its server ended with it (end_with)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*-*"):
+        pid = folder.name[len(WORKDIR_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
 # llama-server flags whose value is a path. The server runs in another folder (see Server.start),
 # so a relative path given to one of these is passed on as an absolute one; other values (an
 # --alias that happens to name a file here) stay as they are.
@@ -278,7 +296,8 @@ class Server:
             self._log = open(self.log_file, "wb")
         # Own process group, so stop() reaches anything the server spawns; run in a folder of its
         # own, removed at stop, as the server also writes a llama.log where it runs.
-        self._workdir = Path(tempfile.mkdtemp(prefix="ikdflash-server-"))
+        remove_orphaned_workdirs()
+        self._workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
         try:
             self._write_key_file()
             self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
