@@ -182,6 +182,10 @@ def test_spec_type_grammar_round_trip():
         SpecType.parse("dflash:adaptive=2")
     with pytest.raises(SpecTypeError, match="min_accept must be a number in"):
         SpecType(min_accept=-0.5)
+    with pytest.raises(SpecTypeError, match="n_max must be at most 2147483647, got 2147483648"):
+        SpecType.parse("dflash:n_max=2147483648")  # it wrapped to -2^31
+    with pytest.raises(SpecTypeError, match="cross_ctx must be at most 2147483647, got 4294967296"):
+        SpecType(cross_ctx=2**32)  # it wrapped to 0: the slot's context
 
 
 def test_doctor_checks_a_pair(pair, tmp_path):

@@ -3,6 +3,8 @@
 #include "dflash.h"
 #include "dflash-impl.h"
 
+#include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 
@@ -22,9 +24,13 @@ float parse_fraction(const std::string & key, const std::string & value) {
 
 long parse_int(const std::string & key, const std::string & value, long min) {
     char * end = nullptr;
+    errno = 0;
     const long v = strtol(value.c_str(), &end, 10);
     if (value.empty() || *end != '\0') {
         fail("--spec-type dflash: %s=%s is not an integer", key.c_str(), value.c_str());
+    }
+    if (errno == ERANGE || v > INT32_MAX) {
+        fail("--spec-type dflash: %s must be at most %d, got %s", key.c_str(), INT32_MAX, value.c_str());
     }
     if (v < min) {
         fail("--spec-type dflash: %s must be at least %ld, got %ld", key.c_str(), min, v);
