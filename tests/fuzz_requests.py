@@ -842,7 +842,8 @@ class Harness:
         import gguf
         reader = gguf.GGUFReader(target)
         self.n_vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
-        self.eos = int(reader.fields["tokenizer.ggml.eos_token_id"].contents())
+        eos = reader.fields.get("tokenizer.ggml.eos_token_id")  # --endings forces it; nothing else needs it
+        self.eos = int(eos.contents()) if eos is not None else None
         self.world = World(self.n_vocab, parallel, slot_dir=str(self.slot_dir))
 
     @property
@@ -1136,6 +1137,8 @@ def ending_case(harness: Harness, rng: random.Random, route: str, stream: bool, 
     prompt, limit = rng.choice(FINISH_PROMPTS), rng.randint(1, 8)
     path = ROUTES[route].path
     if ending == "eos":
+        if harness.eos is None:
+            raise ValueError(f"{harness.target}: no tokenizer.ggml.eos_token_id to end a reply with")
         value = finish_body(route, prompt, limit + 8, stream, logit_bias={str(harness.eos): 100})
     elif ending == "length":
         value = finish_body(route, prompt, limit, stream, ignore_eos=True)
@@ -1152,16 +1155,16 @@ def ending_case(harness: Harness, rng: random.Random, route: str, stream: bool, 
                    whole_text=True), expected
 
 
-def run_endings(harness: Harness, cases: int, seed: int, first: int = 0,
+def run_endings(harness: Harness, indices: Iterable[int], seed: int,
                 progress: Callable[[RequestCase], None] = lambda case: None) -> list[RequestCase]:
-    """Cases [first, first + cases): each route x streamed or not x ending in turn, so that every
-    cell gets a case before any gets a second. A reply that gives another reason than its ending's
-    is an "untruthful" finding."""
+    """These cases: case i is cell i mod the cells (route x streamed or not x ending), so a run of
+    consecutive cases gives every cell one before any gets a second. A reply that gives another
+    reason than its ending's is an "untruthful" finding."""
     if harness.server is None:
         harness.start()
     cells = [(route, stream, ending) for route in FINISH_ROUTES for stream in (False, True) for ending in ENDINGS]
     results = []
-    for index in range(first, first + cases):
+    for index in indices:
         route, stream, ending = cells[index % len(cells)]
         request, expected = ending_case(harness, random.Random(f"{seed}:{index}"), route, stream, ending)
         if request is None:
@@ -1194,7 +1197,7 @@ def minimize(harness: Harness, case: RequestCase, seed: int, routes: Sequence[st
         trial = dict(request.value)
         del trial[key]
         candidate = Request(request.route, request.method, request.path, trial, request.mutations, request.headers,
-                            request.whole_text)
+                            request.whole_text, request.must_refuse)
         outcome, detail, _ = judge(harness, candidate)
         again = RequestCase(case.index, case.mutation, case.via, outcome, detail, route=case.route)
         if outcome in ("crash", "hang", "unhealthy", "diverged", "dropped"):
@@ -1278,11 +1281,11 @@ def main() -> int:
                 indices = range(n * per, (n + 1) * per if n < len(configs) - 1 else args.cases)
             try:
                 if args.endings:
-                    got = run_endings(harness, len(indices), args.seed, indices[0], progress)
+                    got = run_endings(harness, indices, args.seed, progress)
                 else:
                     got = run(harness, 0, args.seed, indices, args.routes, progress, cut_share=args.cut_share)
                 results += got
-                if args.minimize:
+                if args.minimize and not args.endings:  # an ending's finding is its valid request itself
                     for sig, cases in distinct(got).items():
                         print(f"minimal [{config}] {sig}:\n    {minimize(harness, cases[0], args.seed, args.routes, args.cut_share)}",
                               flush=True)

@@ -325,7 +325,7 @@ def test_finish_reason_tells_why_the_reply_ended(servers, config):
     """One valid greedy request for each route (/v1/completions, /v1/chat/completions) x streamed
     or not x ending (its length limit, a stop string cut from its own text, EOS): each reply gives
     its ending's finish_reason. `fuzz_requests.py --endings` runs more."""
-    results = run_endings(servers(config), 12, seed=66)
+    results = run_endings(servers(config), range(12), seed=66)
     assert [(c.route, c.mutation, c.detail) for c in results if c.outcome != "ok"] == []
     assert {(c.route, c.mutation) for c in results} == {(route, ending + streamed) for route in FINISH_ROUTES
                                                          for ending in ENDINGS for streamed in ("", ", streamed")}

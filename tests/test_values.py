@@ -163,3 +163,14 @@ def test_a_failure_in_a_streams_worker_reaches_the_caller(pair):
     lines = done.stdout.splitlines()
     assert lines[0].startswith("raised: the prompt has ") and "but the context holds" in lines[0], done.stdout
     assert lines[1:] == ["close raised", "closed again"], done.stdout
+
+
+def test_integer_rules_take_any_integer_type_but_bools_and_floats():
+    import numpy as np
+
+    assert rules.n_max(np.int64(3), MOST) == 3 and rules.seed(np.uint32(5)) == 5
+    assert rules.max_tokens(np.int32(8)) == 8
+    for bad in (True, 2.0, "2"):
+        with pytest.raises(ValueError, match="n_max must be an integer"):
+            rules.n_max(bad, MOST)
+

@@ -6,22 +6,27 @@ rule, and returns the value it accepted.
 
 from __future__ import annotations
 
+import operator
 import random
-from typing import overload
+from typing import NoReturn, overload
 
 DEFAULT_N_MAX = 4
 SEED_RANDOM = -1
 UINT32_MAX = 2**32 - 1
 
 
-def _refuse(name: str, rule: str, value: object) -> None:
+def _refuse(name: str, rule: str, value: object) -> NoReturn:
     raise ValueError(f"{name} must be {rule}, got {value!r}")
 
 
 def _integer(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """value as an int: any integer type (numpy's too), not a bool or a float."""
+    if isinstance(value, bool):
         _refuse(name, "an integer", value)
-    return value  # type: ignore[return-value]
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        _refuse(name, "an integer", value)
 
 
 @overload

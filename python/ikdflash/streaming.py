@@ -86,7 +86,7 @@ class TextStream(Generic[Result]):
         self._decoder, self._finish = decoder, finish
         self._pieces: queue.Queue = queue.Queue()
         self._closed = False  # asked to end early
-        self._ended = False   # the worker's result or failure has been taken
+        self._last: tuple[str, object] | None = None  # the worker's last item, then ("settled", None)
 
         def on_commit(tokens: list[int]) -> bool:
             piece = decoder.feed(tokens)
@@ -104,19 +104,30 @@ class TextStream(Generic[Result]):
         self._thread.start()
 
     def __iter__(self) -> Iterator[str]:
-        while not self._ended:
+        while self._last is None:
             kind, value = self._pieces.get()
             if kind == "text":
                 yield value
-                continue
-            self._ended = True  # the worker has put its last item: nothing more will come
-            self._thread.join()
-            if kind == "error":
-                raise value
-            released = len(self._decoder.text)
-            self.result = self._finish(value, self._decoder)  # releases what was held back
-            if len(self._decoder.text) > released:
-                yield self._decoder.text[released:]
+            else:
+                self._last = (kind, value)  # the worker's last item: nothing more will come
+        yield from self._settle()
+
+    def _settle(self) -> Iterator[str]:
+        """Once the worker is done: its failure raised (once), or its result made. Interrupted
+        before the result is made (Ctrl-C), the next iteration or close() makes it."""
+        if self._last is None or self._last[0] == "settled":
+            return
+        kind, value = self._last
+        self._thread.join()
+        if kind == "error":
+            self._last = ("settled", None)
+            assert isinstance(value, BaseException)
+            raise value
+        released = len(self._decoder.text)
+        self.result = self._finish(value, self._decoder)  # releases what was held back
+        self._last = ("settled", None)
+        if len(self._decoder.text) > released:
+            yield self._decoder.text[released:]
 
     def close(self) -> None:
         """End the generation (after its current step) and wait for it. A failure the iteration

@@ -86,20 +86,19 @@ def ratio_bounds(out: SpeculationStats, plain: SpeculationStats) -> tuple[float,
 def comparison(out: SpeculationResult, plain: SpeculationResult) -> str:
     """The target alone's line: its speed, DFlash's against it, and plainly whether drafting paid;
     when the ratio is outside what the two runs' own counts allow, that the runs were too unlike
-    to compare (the machine's speed changed between them)."""
+    to compare (the machine's speed changed between them). Outputs that differ are said always."""
     assert out.stats is not None and plain.stats is not None
     line = summary("target alone", plain.stats, plain.finish_reason)
-    if not plain.stats.generated or not out.stats.generated:
-        return line
+    differ = " (outputs differ!)" if plain.tokens != out.tokens else ""
+    if not (plain.stats.tokens_per_second > 0 and out.stats.tokens_per_second > 0):
+        return line + differ  # a run that was all prompt pass (one token, or a stop at the first) has no speed
     ratio = out.stats.tokens_per_second / plain.stats.tokens_per_second
     low, high = ratio_bounds(out.stats, plain.stats)
     if not low / SLACK <= ratio <= high * SLACK:
         return line + (f"; the two runs are too unlike to compare (DFlash read {ratio:.2f}x, where its own counts "
-                       f"allow {low:.2f}x to {high:.2f}x: the machine's speed changed between them)")
-    line += f"; DFlash {ratio:.2f}x its speed"
-    if plain.tokens != out.tokens:
-        line += " (outputs differ!)"
-    elif ratio < PAYS:
+                       f"allow {low:.2f}x to {high:.2f}x: the machine's speed changed between them)") + differ
+    line += f"; DFlash {ratio:.2f}x its speed" + differ
+    if not differ and ratio < PAYS:
         share = out.stats.plain_share
         line += (": drafting does not pay for this pair on this machine" +
                  (f"; the adaptive block length decoded {share:.0%} of the tokens without drafts" if share else ""))

@@ -58,6 +58,20 @@ def refusal_reason(lines: Sequence[str]) -> str | None:
     return "\n".join(chosen) if chosen else None
 
 
+def _write_stdout(line: bytes) -> None:
+    """The server's bytes as they are where stdout takes bytes; else text, unencodable characters
+    escaped (a stdout whose encoding cannot take one must not stop the forwarding)."""
+    out = getattr(sys.stdout, "buffer", None)
+    if out is not None:
+        out.write(line)
+        out.flush()
+    else:
+        text = line.decode("utf-8", errors="replace")
+        encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+        sys.stdout.write(text.encode(encoding, errors="backslashreplace").decode(encoding))
+        sys.stdout.flush()
+
+
 class _Output:
     """Reads the server's output as it comes: keeps its start-up lines (for refusal_reason) and
     passes every line on to the log file, our stdout, or nowhere. The usage text a bad argument
@@ -83,9 +97,8 @@ class _Output:
                     self._log.write(line)
                     self._log.flush()
                 elif forward and not self._in_usage:
-                    sys.stdout.write(line.decode("utf-8", errors="replace"))
-                    sys.stdout.flush()
-            except (OSError, ValueError):  # our stdout or the log went away: keep draining the pipe
+                    _write_stdout(line)
+            except Exception:  # our stdout or the log went away: keep draining the pipe
                 forward, self._log = False, None
             if not self._in_usage:
                 with self._lock:
@@ -178,7 +191,7 @@ def remove_orphaned_workdirs() -> None:
             os.kill(int(pid), 0)
         except ProcessLookupError:
             shutil.rmtree(folder, ignore_errors=True)
-        except PermissionError:  # alive, another user's
+        except (PermissionError, OverflowError):  # alive, another user's; not a pid
             pass
 
 
@@ -292,13 +305,13 @@ class Server:
             self.port = free_port(self.host)
         elif port_in_use(self.host, self.port):
             raise ServerError(f"port {self.port} on {self.host} is already in use; pick another or use port 0")
-        if self.log_file:
-            self._log = open(self.log_file, "wb")
-        # Own process group, so stop() reaches anything the server spawns; run in a folder of its
-        # own, removed at stop, as the server also writes a llama.log where it runs.
-        remove_orphaned_workdirs()
-        self._workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
         try:
+            if self.log_file:
+                self._log = open(self.log_file, "wb")
+            # Own process group, so stop() reaches anything the server spawns; run in a folder of
+            # its own, removed at stop, as the server also writes a llama.log where it runs.
+            remove_orphaned_workdirs()
+            self._workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
             self._write_key_file()
             self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                             stderr=subprocess.STDOUT, start_new_session=True, cwd=self._workdir,
