@@ -399,6 +399,23 @@ def test_the_engine_settles_at_zero_for_a_useless_draft(oracle_pair, monkeypatch
     assert fixed.stats.steps_by_verified == [1, 1, 1, 1, 95] and fixed.stats.probes == 0
 
 
+def test_a_step_at_k_zero_runs_no_draft_graph(oracle_pair, monkeypatch):
+    """Where drafting never pays, the draft computes only for probes: each projects the context
+    rows that arrived since the draft last ran (one graph, fewer than 256 rows here) and steps
+    (one graph). The other steps, 9 in 10 and more, run no draft graph at all."""
+    monkeypatch.setenv("IKDFLASH_COSTS", "0.7:1,1.09,1.3,1.6,1.9")
+    target, _, wrong = oracle_pair
+    with Engine(target, wrong, n_ctx=256) as engine:
+        before = engine.draft.info()["graph_computes"]
+        out = engine.speculate("hello there", max_tokens=150, n_max=4)
+        computes = engine.draft.info()["graph_computes"] - before
+    st = out.stats
+    plain_steps = st.steps_by_verified[0]
+    assert plain_steps >= 0.9 * st.steps and st.probes >= 1, st.steps_by_verified
+    drafting_steps = st.steps - plain_steps
+    assert computes <= 2 * (st.probes + drafting_steps), (computes, st.probes, drafting_steps)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
 def test_adaptive_speculation_is_lossless_whatever_the_costs(swa_pairs, arch, monkeypatch):
     """Costs that make every k pay, none pay, or some pay: the tokens are the target's."""

@@ -96,6 +96,7 @@ public:
         out["target_layer_ids"] = ids;
         out["n_target_features"] = dflash_draft_n_target_features(draft_);
         out["n_head_tokens"] = dflash_draft_n_head_tokens(draft_);
+        out["graph_computes"] = dflash_draft_n_graph_computes(draft_);
         int32_t settings[4];
         if (dflash_draft_dflash2_settings(draft_, settings)) {
             py::dict dflash2;

@@ -694,4 +694,5 @@ bool dflash_draft_dflash2_settings(const dflash_draft * d, int32_t out[4]) {
     out[0] = d->conv_taps, out[1] = d->conv_group, out[2] = d->selector_rank, out[3] = d->selector_top_k;
     return true;
 }
+int64_t dflash_draft_n_graph_computes(const dflash_draft * d) { return d->n_graph_computes; }
 const char * dflash_draft_device(const dflash_draft * d) { return ggml_backend_name(d->device ? d->device : d->cpu); }

@@ -116,6 +116,7 @@ struct dflash_draft {
     ggml_backend_sched_t sched_append = nullptr;
     ggml_backend_sched_t sched_step = nullptr;
     std::vector<uint8_t> graph_meta;
+    int64_t n_graph_computes = 0;  // graphs computed (appends and steps): dflash_draft_n_graph_computes
 
     ~dflash_draft() {
         if (sched_append) ggml_backend_sched_free(sched_append);
@@ -147,6 +148,7 @@ struct dflash_draft {
     }
 
     void compute(ggml_backend_sched_t sched, ggml_cgraph * gf, const char * what) {
+        ++n_graph_computes;
         if (ggml_backend_sched_graph_compute(sched, gf) != GGML_STATUS_SUCCESS) {
             dflash_impl::fail("computing %s failed", what);
         }

@@ -48,6 +48,10 @@ DFLASH_API int  dflash_capture_features(const dflash_capture * capture, float * 
 // pass_ms: max_rows times, for 1..max_rows rows (a known machine; tests). Returns 0 on success.
 DFLASH_API int    dflash_costs_set_passes(dflash_costs * costs, const double * pass_ms);
 
+// How many graphs the draft has computed (context rows projected, draft steps) since it was
+// loaded: a step at k = 0 runs none, which tests count.
+DFLASH_API int64_t dflash_draft_n_graph_computes(const dflash_draft * draft);
+
 // The clock the runtime times its passes with: steady, in milliseconds.
 DFLASH_API double dflash_now_ms(void);
 

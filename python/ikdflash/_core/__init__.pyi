@@ -56,7 +56,8 @@ class Draft:
     def close(self) -> None: ...
     def info(self) -> dict[str, Any]:
         """format, device, n_layer, block_size, mask_token, sliding_window, sliding, causal,
-        target_layer_ids, n_target_features, n_head_tokens, and dflash2: a DFlash2 draft's
+        target_layer_ids, n_target_features, n_head_tokens, graph_computes (graphs computed since
+        loading: context rows projected, draft steps), and dflash2: a DFlash2 draft's
         conv_kernel_size, conv_group_size, selector_rank and selector_top_k (None for DFlash1)."""
     def cache_layout(self, cross_ctx: int, full_attention: bool = False) -> dict[str, Any]:
         """capacity (rows per layer) and bytes of a cross-context, from its allocation."""
