@@ -83,11 +83,11 @@ class Conversation:
         return tokens, dropped
 
 
-def reply(engine: Engine, tokens: list[int], args: argparse.Namespace) -> tuple[str, str]:
-    """Stream one reply to stdout; (its text, the statistics line). Ctrl-C ends it early."""
-    options = decoding_options(args)
+def reply(engine: Engine, tokens: list[int], args: argparse.Namespace, options: dict) -> tuple[str, str]:
+    """Stream one reply to stdout, with decoding_options' keywords; (its text, the statistics
+    line). Ctrl-C ends it early."""
     if engine.draft is None:
-        options["n_max"] = 0
+        options = {**options, "n_max": 0}
     drafting = options["n_max"] != 0
     stream = engine.stream(tokens, max_tokens=args.max_tokens, **options)
     stopped = False
@@ -128,7 +128,7 @@ def command(line: str, conversation: Conversation) -> str | None:
 def run(args: argparse.Namespace) -> int:
     try:
         check_engine_options(args)
-        decoding_options(args)
+        options = decoding_options(args)
         target, draft = resolve_models(args)
         engine = Engine(target, draft, n_ctx=args.ctx_size, n_threads=args.threads)
     except (HubError, FileNotFoundError, ValueError) as e:
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"(the {dropped} oldest exchange{'s' if dropped > 1 else ''} no longer fit the context "
                       f"of {engine.target.n_ctx} tokens and were dropped)", file=sys.stderr)
             try:
-                answer, stats = reply(engine, tokens, args)
+                answer, stats = reply(engine, tokens, args, options)
             except (ValueError, RuntimeError) as e:  # one message longer than the context; a failed decode
                 print(f"ikdflash chat: error: {e}", file=sys.stderr)
                 conversation.turns.pop()
