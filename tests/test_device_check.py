@@ -38,16 +38,15 @@ def ended(lines: list[str]) -> list[str]:
 def test_a_run_cut_off_in_the_second_stage_keeps_the_first_stages_result(tmp_path):
     out = tmp_path / "out"
     commands = {name: f"echo {name} ran" for name in STAGES}
-    commands["gpu_tests"] = "echo placement; sleep 60"
+    commands["gpu_tests"] = "echo placement; sleep 600"  # killed below, once it has started
     proc = subprocess.Popen(["bash", str(SCRIPT)], env=environment(out, commands, {}), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 30
         while not (out / "gpu_tests.txt").is_file() or "placement" not in (out / "gpu_tests.txt").read_text():
-            assert time.monotonic() < deadline, "the second stage never started"
+            assert proc.poll() is None, "the script ended before its second stage started"
             time.sleep(0.05)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # as the device tool ends a command at its limit
+        os.killpg(proc.pid, signal.SIGKILL)  # a run cut off at a time limit
         proc.wait()
     lines = summary(out)
     assert ended(lines) == ["build"]
@@ -77,7 +76,7 @@ def test_every_stage_in_order_a_failure_reported_and_the_rest_still_run(tmp_path
     assert "gpu_tests: rc=1 in " in "\n".join(lines)
     assert any(line.startswith("adaptive: skipped in ") and line.endswith("skipped: no pair") for line in lines)
     assert lines[-1] == "done: rc=1"
-    assert len(list(tmp_path.iterdir())) <= 8  # the device tool returns at most 8 files
+    assert len(list(tmp_path.iterdir())) <= 8  # the check writes at most 8 files (.ci/device-check)
 
 
 def test_a_failed_build_ends_the_run(tmp_path):

@@ -637,7 +637,7 @@ def test_refresh_with_the_torch_capture_trains_the_same_draft(trained, target, t
 
 
 def test_a_machine_without_the_fork_built_captures_and_trains(trained, tmp_path):
-    """What a lent GPU machine runs before any build: the capture in PyTorch, then a training run
+    """What a GPU machine without the fork runs before any build: the capture in PyTorch, then a training run
     (python -m ikdflash.cli.train, no held-out measure), with the compiled fork unimportable."""
     import subprocess
     import sys

@@ -2,8 +2,8 @@
 
     nice -n 19 python -m benchmarks.passes cuda-build [--fork DIR] [--reuse] [--json out.json]
 
-The device check (.ci/device-check) builds the package with CUDA on a lent machine with 16
-cores, inside a 15-minute window that also has to hold the tests. This script tells what that
+The device check (.ci/device-check) builds the package with CUDA on a machine with 16
+cores, in a time limit that also has to hold the tests. This script tells what that
 build costs without building it:
 
 1. configures two CUDA build trees of the patched fork with CMake alone (cheap): the fork's

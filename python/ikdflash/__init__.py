@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 # Each name loads its module on first use, so that the pure-Python tools (convert, the training
-# data and loop) import where the compiled fork is not built, e.g. on a lent GPU machine.
+# data and loop) import where the compiled fork is not built, e.g. on a GPU machine without a build.
 _EXPORTS = {
     "__version__": "ikdflash._core", "build_info": "ikdflash._core",
     "Generation": "ikdflash.model", "Model": "ikdflash.model",

@@ -1,7 +1,7 @@
 """The target in PyTorch: the fork's training-data capture (features at the draft's layer ids, the
 greedy next token, the top tokens and their logits) for many sequences a pass, on a GPU when torch
-has one. It is for a machine where the fork is not built or a GPU is lent for minutes: the whole
-saved-answer set is seconds of an H200, against ~2 hours of this project's 2-core CPU.
+has one. It is for a machine where the fork is not built, or a GPU available for minutes: the whole
+saved-answer set is seconds of an H200, against ~2 hours of a 2-core CPU.
 
 The weights are the GGUF's own, dequantized; the fork multiplies the same weights by activations
 it rounds to 8 bits, so features agree closely, not bit for bit, and a draft trained on either
