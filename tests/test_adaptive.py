@@ -146,7 +146,7 @@ def test_a_new_request_forgets_its_statistics_but_not_what_it_learnt():
         run_steps(ctl, 50, lambda step: False)
     before = renewed.acceptance()
     renewed.reset()
-    assert renewed.stats() == {"steps_by_verified": [0] * 5, "n_probes": 0, "n_load_plain": 0}
+    assert renewed.stats() == {"steps_by_verified": [0] * 5, "n_probes": 0, "n_load_plain": 0, "n_lookup_steps": 0}
     assert renewed.acceptance() == pytest.approx(before)
     # ... at half weight: the new request's first observation (draft token 1 kept) moves it further
     for ctl in (kept, renewed):
@@ -376,7 +376,7 @@ def test_the_engine_settles_at_n_max_for_an_always_right_draft(oracle_pair, monk
     monkeypatch.setenv("IKDFLASH_COSTS", "0.7:1,1.09,1.3,1.6,1.9")
     target, right, _ = oracle_pair
     with Engine(target, right, n_ctx=256) as engine:
-        out = engine.speculate("hello there", max_tokens=61, n_max=4)
+        out = engine.speculate("hello there", max_tokens=61, n_max=4, lookup=False)
     st = out.stats
     assert out.tokens == [0] * 61
     # the prior (every position a coin flip) does not pay on these costs: one probe, then n_max
@@ -389,7 +389,7 @@ def test_the_engine_settles_at_zero_for_a_useless_draft(oracle_pair, monkeypatch
     monkeypatch.setenv("IKDFLASH_COSTS", "0.7:1,1.09,1.3,1.6,1.9")
     target, _, wrong = oracle_pair
     with Engine(target, wrong, n_ctx=256) as engine:
-        out = engine.speculate("hello there", max_tokens=100, n_max=4)
+        out = engine.speculate("hello there", max_tokens=100, n_max=4, lookup=False)
         fixed = engine.speculate("hello there", max_tokens=100, n_max=4, adaptive=False)
     st = out.stats
     assert out.tokens == fixed.tokens == [0] * 100
@@ -407,7 +407,7 @@ def test_a_step_at_k_zero_runs_no_draft_graph(oracle_pair, monkeypatch):
     target, _, wrong = oracle_pair
     with Engine(target, wrong, n_ctx=256) as engine:
         before = engine.draft.info()["graph_computes"]
-        out = engine.speculate("hello there", max_tokens=150, n_max=4)
+        out = engine.speculate("hello there", max_tokens=150, n_max=4, lookup=False)
         computes = engine.draft.info()["graph_computes"] - before
     st = out.stats
     plain_steps = st.steps_by_verified[0]

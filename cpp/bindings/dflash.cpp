@@ -7,6 +7,7 @@
 #include "dflash.h"
 #include "dflash-measure.h"
 #include "dflash-mask.h"
+#include "ngram-lookup.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
@@ -308,6 +309,7 @@ py::dict parse_spec_options(const std::string & text) {
     if (named & DFLASH_SPEC_LOG_DRAFTS) out["log_drafts"] = options.log_drafts;
     if (named & DFLASH_SPEC_MIN_ACCEPT) out["min_accept"] = options.min_accept;
     if (named & DFLASH_SPEC_ADAPTIVE) out["adaptive"] = options.adaptive;
+    if (named & DFLASH_SPEC_LOOKUP) out["lookup"] = options.lookup;
     return out;
 }
 
@@ -346,17 +348,19 @@ public:
     }
 
     // others: (rows, tokens, draft_ms) the other sequences of the pass add to it (a server's slots).
+    // (n_draft, n_verify)
     py::tuple plan(int n_limit, std::optional<std::tuple<int, double, double>> others) {
-        dflash_adapt_plan p;
-        if (others) {
-            std::unique_ptr<dflash_load, decltype(&dflash_load_free)> load{dflash_load_init(2), dflash_load_free};
-            const auto [rows, tokens, draft_ms] = *others;
-            dflash_load_set(load.get(), 1, rows, tokens, draft_ms);
-            p = dflash_adapt_plan_step_in(adapt_.get(), n_limit, load.get(), 0);
-        } else {
-            p = dflash_adapt_plan_step(adapt_.get(), n_limit);
-        }
+        const dflash_adapt_plan p = plan_step(n_limit, others);
         return py::make_tuple(p.n_draft, p.n_verify);
+    }
+
+    // The same with the lookup's offer for this step: (n_draft, n_verify, whether it verifies the
+    // lookup's tokens).
+    py::tuple plan_offered(int n_limit, const std::vector<llama_token> & lookup,
+                           std::optional<std::tuple<int, double, double>> others) {
+        dflash_adapt_offer_lookup(adapt_.get(), lookup.data(), (int) lookup.size());
+        const dflash_adapt_plan p = plan_step(n_limit, others);
+        return py::make_tuple(p.n_draft, p.n_verify, p.lookup);
     }
 
     void proposed(const std::vector<llama_token> & tokens) {
@@ -378,10 +382,10 @@ public:
     void observe_draft(int n_tokens, double ms) { dflash_costs_observe_draft(costs_.get(), n_tokens, ms); }
     double draft_ms(int n_tokens) const { return dflash_costs_draft_ms(costs_.get(), n_tokens); }
 
-    std::vector<float> acceptance() const {
+    std::vector<float> acceptance(bool lookup) const {
         std::vector<float> p(n_max_);
         for (int j = 1; j <= n_max_; ++j) {
-            p[j - 1] = dflash_adapt_acceptance(adapt_.get(), j);
+            p[j - 1] = lookup ? dflash_adapt_lookup_acceptance(adapt_.get(), j) : dflash_adapt_acceptance(adapt_.get(), j);
         }
         return p;
     }
@@ -392,10 +396,21 @@ public:
         d["steps_by_verified"] = steps_by_verified(st, n_max_);
         d["n_probes"] = st.n_probes;
         d["n_load_plain"] = st.n_load_plain;
+        d["n_lookup_steps"] = st.n_lookup_steps;
         return d;
     }
 
 private:
+    dflash_adapt_plan plan_step(int n_limit, std::optional<std::tuple<int, double, double>> others) {
+        if (!others) {
+            return dflash_adapt_plan_step(adapt_.get(), n_limit);
+        }
+        std::unique_ptr<dflash_load, decltype(&dflash_load_free)> load{dflash_load_init(2), dflash_load_free};
+        const auto [rows, tokens, draft_ms] = *others;
+        dflash_load_set(load.get(), 1, rows, tokens, draft_ms);
+        return dflash_adapt_plan_step_in(adapt_.get(), n_limit, load.get(), 0);
+    }
+
     int n_max_;
     std::unique_ptr<dflash_costs, decltype(&dflash_costs_free)> costs_{nullptr, dflash_costs_free};
     std::unique_ptr<dflash_adapt, decltype(&dflash_adapt_free)> adapt_{nullptr, dflash_adapt_free};
@@ -430,11 +445,15 @@ public:
         free_native();
     }
 
-    py::tuple generate(const std::vector<llama_token> & prompt, int max_tokens, int n_max, bool adaptive,
+    // lookup: the n-gram lookup's key length (0: no lookup beside the draft).
+    py::tuple generate(const std::vector<llama_token> & prompt, int max_tokens, int n_max, bool adaptive, int lookup,
                        const dflash_sampling & sampling, std::optional<py::function> on_commit) {
         target_.check_tokens(prompt);
         if (max_tokens < 0) {
             throw py::value_error("max_tokens must be >= 0, got " + std::to_string(max_tokens));
+        }
+        if (lookup < 0) {
+            throw py::value_error("lookup must be >= 0 (a key length; 0: off), got " + std::to_string(lookup));
         }
         if (sampling.n_probs < 0 || sampling.n_probs > target_.n_vocab()) {
             throw py::value_error("logprobs must be in 0.." + std::to_string(target_.n_vocab()) + ", got " +
@@ -452,11 +471,18 @@ public:
         }
         CommitCallback callback{on_commit ? *on_commit : py::function(), nullptr};
         dflash_engine_set_commit_callback(engine_, on_commit ? &CommitCallback::call : nullptr, &callback);
+        // runs as long as the controller may verify (n_max); a new one per call, as the prompt is new
+        std::optional<ngram_lookup> looker;
+        if (lookup > 0 && n_max > 0) {
+            looker.emplace(lookup, n_max);
+        }
+        dflash_engine_set_lookup(engine_, looker ? looker->plug() : nullptr);
         const int n = target_.exclusive([&] {
             return dflash_engine_generate(engine_, prompt.data(), (int) prompt.size(), max_tokens, n_max, adaptive,
                                           &sampling, out.data(), &stats, step_lengths.data(), &logprobs);
         });
         dflash_engine_set_commit_callback(engine_, nullptr, nullptr);
+        dflash_engine_set_lookup(engine_, nullptr);
         if (callback.error) {
             std::rethrow_exception(callback.error);
         }
@@ -481,6 +507,9 @@ public:
         st["step_lengths"] = step_lengths;
         st["steps_by_verified"] = steps_by_verified(stats.block, n_max);
         st["n_probes"] = stats.block.n_probes;
+        st["n_lookup_drafted"] = stats.n_lookup_drafted;
+        st["n_lookup_accepted"] = stats.n_lookup_accepted;
+        st["n_lookup_steps"] = stats.block.n_lookup_steps;
         static const char * const end_reasons[] = {"length", "eog", "context", "caller"};
         st["end_reason"] = end_reasons[stats.end_reason];
         py::list per_token;  // (logprob, [(token, logprob), ...]) for each returned token
@@ -577,20 +606,22 @@ void bind_dflash(py::module_ & m) {
                  return BlockController(n_max, pass_ms, std::vector<double>{draft_ms}, adaptive);
              }), py::arg("n_max"), py::arg("pass_ms"), py::arg("draft_ms"), py::arg("adaptive") = true)
         .def("plan", &BlockController::plan, py::arg("n_limit"), py::arg("others") = py::none())
+        .def("plan_offered", &BlockController::plan_offered, py::arg("n_limit"), py::arg("lookup"),
+             py::arg("others") = py::none())
         .def("proposed", &BlockController::proposed, py::arg("tokens"))
         .def("committed", &BlockController::committed, py::arg("n_verified"), py::arg("tokens"))
         .def("reset", &BlockController::reset)
         .def("observe_pass", &BlockController::observe_pass, py::arg("n_rows"), py::arg("ms"))
         .def("observe_draft", &BlockController::observe_draft, py::arg("n_tokens"), py::arg("ms"))
         .def("draft_ms", &BlockController::draft_ms, py::arg("n_tokens"))
-        .def("acceptance", &BlockController::acceptance)
+        .def("acceptance", &BlockController::acceptance, py::arg("lookup") = false)
         .def("stats", &BlockController::stats);
     py::class_<Engine>(m, "Engine")
         .def(py::init<Model &, Draft *, int, bool>(), py::arg("target"), py::arg("draft"), py::arg("cross_ctx"),
              py::arg("full_attention") = false, py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
         .def("close", &Engine::close)
         .def("generate", [](Engine & engine, const std::vector<llama_token> & prompt, int max_tokens, int n_max,
-                            bool adaptive, float temperature, uint32_t seed, int top_k, float top_p, float min_p, float repeat_penalty,
+                            bool adaptive, int lookup, float temperature, uint32_t seed, int top_k, float top_p, float min_p, float repeat_penalty,
                             int repeat_last_n, int logprobs, std::optional<py::function> on_commit) {
                  dflash_sampling sampling = dflash_sampling_default();
                  sampling.temperature = temperature;
@@ -601,8 +632,9 @@ void bind_dflash(py::module_ & m) {
                  sampling.repeat_penalty = repeat_penalty;
                  sampling.repeat_last_n = repeat_last_n;
                  sampling.n_probs = logprobs;
-                 return engine.generate(prompt, max_tokens, n_max, adaptive, sampling, on_commit);
+                 return engine.generate(prompt, max_tokens, n_max, adaptive, lookup, sampling, on_commit);
              }, py::arg("prompt"), py::arg("max_tokens"), py::arg("n_max"), py::arg("adaptive") = true,
+             py::arg("lookup") = 0,
              py::arg("temperature") = 0.0f,
              py::arg("seed") = 0, py::arg("top_k") = 0, py::arg("top_p") = 1.0f, py::arg("min_p") = 0.0f,
              py::arg("repeat_penalty") = 1.0f, py::arg("repeat_last_n") = 64, py::arg("logprobs") = 0,

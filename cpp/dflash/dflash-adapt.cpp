@@ -269,6 +269,32 @@ struct dflash_load {
     }
 };
 
+// Per proposal position j (index j - 1): P(token j kept | the tokens before it kept), as
+// discounted counts with a prior (see k_decay, k_prior_*).
+struct position_estimates {
+    std::vector<double> hits, seen, prior;
+
+    explicit position_estimates(int n) : hits(n, 0.0), seen(n, 0.0), prior(n, k_prior_weight) {}
+
+    double acceptance(int j) const {
+        return (hits[j - 1] + prior[j - 1] * k_prior_p) / (seen[j - 1] + prior[j - 1]);
+    }
+
+    void observe(int j, bool kept) {
+        hits[j - 1] = k_decay * hits[j - 1] + (kept ? 1.0 : 0.0);
+        seen[j - 1] = k_decay * seen[j - 1] + 1.0;
+        prior[j - 1] = std::max(k_prior_floor, k_decay * prior[j - 1]);
+    }
+
+    void carry_over() {
+        for (size_t i = 0; i < hits.size(); ++i) {
+            hits[i] *= k_carry_over;
+            seen[i] *= k_carry_over;
+            prior[i] = std::max(k_prior_floor, k_carry_over * prior[i]);
+        }
+    }
+};
+
 // One sequence's controller. Every proposal stays pending until the target has committed a token
 // at each of its positions or one differs. Every fourth step verifying k drafts proposes k + 1, so
 // the position after k stays measured (against the target's own token, or a later one) and the
@@ -277,12 +303,14 @@ struct dflash_load {
 struct dflash_adapt {
     const dflash_costs * costs = nullptr;  // null: fixed block length
     int n_max = 0;
-    std::vector<double> hits, seen;        // per draft position j (index j - 1), discounted counts
-    std::vector<double> slow_hits, slow_seen;  // the same at k_slow_decay, kept across requests
-    std::vector<double> prior;             // the prior's weight at each position
+    position_estimates draft;              // the draft's tokens
+    std::vector<double> slow_hits, slow_seen;  // the draft's at k_slow_decay, kept across requests
+    position_estimates lookup;             // the lookup's tokens (compared at every offer)
+    std::vector<llama_token> offered;      // the lookup's offer for the coming step
     struct proposal {
         std::vector<llama_token> tokens;
         size_t next = 0;                   // the index compared with the next committed token
+        bool from_lookup = false;
     };
     std::deque<proposal> pending;
     double turned_right = 0.0;             // the probes' evidence that the draft turned right (CUSUM)
@@ -290,6 +318,9 @@ struct dflash_adapt {
     int explore_left = 0;                  // steps still to verify one draft more (a stale pass cost)
     int since_lookahead = 0;               // verifying steps since the last that proposed one token more
     dflash_adapt_stats stats{};
+
+    dflash_adapt(const dflash_costs * costs, int n_max)
+        : costs(costs), n_max(n_max), draft(n_max), slow_hits(n_max, 0.0), slow_seen(n_max, 0.0), lookup(n_max) {}
 
     // Beside other sequences a probe's draft step delays their tokens too, and each of them
     // probes: the budget is shared as the step's tokens are.
@@ -315,9 +346,7 @@ struct dflash_adapt {
         return std::max(1, (int) (longest_interval(others) * std::exp(-evidence)));
     }
 
-    double acceptance(int j) const {  // P(token j kept | tokens before it kept), j = 1..n_max
-        return (hits[j - 1] + prior[j - 1] * k_prior_p) / (seen[j - 1] + prior[j - 1]);
-    }
+    double acceptance(int j) const { return draft.acceptance(j); }  // j = 1..n_max
 
     // What a step verifying k drafts pays for its draft step, on average over the steps that
     // propose one token more (in steady state: the first steps at a k, which propose it every
@@ -330,7 +359,7 @@ struct dflash_adapt {
     }
 
     int drafted_for(int k, int n_limit) {
-        if (k < n_limit && (seen[k] < k_lookahead_seen || ++since_lookahead >= k_lookahead_interval)) {
+        if (k < n_limit && (draft.seen[k] < k_lookahead_seen || ++since_lookahead >= k_lookahead_interval)) {
             since_lookahead = 0;
             return k + 1;
         }
@@ -351,18 +380,48 @@ struct dflash_adapt {
     // sequences' rows, tokens and draft steps are in it too, so a draft pays only if what its
     // rows add to the shared pass, and its draft step to everyone's step, buys more tokens than
     // that time would buy the others. Alone (others empty) it is this sequence's own rate.
+    template <typename Acceptance>
+    double rate(int k, Acceptance p, double draft_ms, const dflash_load::part & others) const {
+        const double step_ms = others.draft_ms + draft_ms + costs->next_pass_ms(others.rows + k + 1);
+        return (others.tokens + expected_tokens(k, p)) / step_ms;
+    }
+
+    // The draft's k; a plain step (k = 0) has no draft step.
+    template <typename Acceptance> double draft_rate(int k, int n_limit, Acceptance p, const dflash_load::part & others) const {
+        return rate(k, p, k == 0 ? 0.0 : draft_cost_at(k, n_limit), others);
+    }
+
     template <typename Acceptance> int best_k(int n_limit, Acceptance p, const dflash_load::part & others) const {
         if (costs->scale_ms <= 0.0) {
             return n_limit;  // nothing measured yet: speculate, which measures
         }
         int best = 0;
-        double best_rate = (others.tokens + 1.0) / (others.draft_ms + costs->next_pass_ms(others.rows + 1));
+        double best_rate = draft_rate(0, n_limit, p, others);
         for (int k = 1; k <= n_limit; ++k) {
-            const double step_ms = others.draft_ms + draft_cost_at(k, n_limit) + costs->next_pass_ms(others.rows + k + 1);
-            const double rate = (others.tokens + expected_tokens(k, p)) / step_ms;
-            if (rate > best_rate) {
+            const double r = draft_rate(k, n_limit, p, others);
+            if (r > best_rate) {
                 best = k;
-                best_rate = rate;
+                best_rate = r;
+            }
+        }
+        return best;
+    }
+
+    // The k of the lookup's offer whose step beats the draft's best (a plain step included) by
+    // the most, with no draft step to pay for; 0 when none does.
+    int lookup_k(int n_limit, int n_offered, const dflash_load::part & others) const {
+        if (costs->scale_ms <= 0.0) {
+            return 0;
+        }
+        const auto pd = [this](int j) { return acceptance(j); };
+        const auto pl = [this](int j) { return lookup.acceptance(j); };
+        int best = 0;
+        double best_rate = draft_rate(best_k(n_limit, pd, others), n_limit, pd, others);
+        for (int k = 1; k <= std::min(n_limit, n_offered); ++k) {
+            const double r = rate(k, pl, 0.0, others);
+            if (r > best_rate) {
+                best = k;
+                best_rate = r;
             }
         }
         return best;
@@ -374,16 +433,34 @@ struct dflash_adapt {
         const double draft_ms = p.n_draft == 0 ? 0.0
                               : p.n_verify == 0 && costs->catch_up_ms > 0.0 ? costs->catch_up_ms
                                                                              : costs->draft_cost(p.n_draft);
-        return {p.n_verify + 1, expected_tokens(p.n_verify, [this](int j) { return acceptance(j); }), draft_ms};
+        const position_estimates & source = p.lookup ? lookup : draft;
+        return {p.n_verify + 1, expected_tokens(p.n_verify, [&](int j) { return source.acceptance(j); }), draft_ms};
     }
 
     dflash_adapt_plan plan(int n_limit, const dflash_load::part & others) {
         n_limit = std::clamp(n_limit, 0, n_max);
+        std::vector<llama_token> offer;
+        offer.swap(offered);
         if (n_limit == 0) {
-            return {0, 0};
+            return {0, 0, false};
         }
         if (costs == nullptr) {
-            return {n_limit, n_limit};
+            return {n_limit, n_limit, false};
+        }
+        if (!offer.empty()) {
+            const int k = lookup_k(n_limit, (int) offer.size(), others);
+            pending.push_back({std::move(offer), 0, true});
+            if (k > 0) {
+                // The draft does not run while the lookup wins, so it is probed as at k = 0: a
+                // draft that turns out to pay more (runs longer than the lookup's) takes over.
+                stats.n_lookup_steps += 1;
+                const bool probe = ++since_probe >= probe_interval(others);
+                if (probe) {
+                    since_probe = 0;
+                    stats.n_probes += 1;
+                }
+                return {probe ? probe_length(n_limit, others) : 0, k, true};
+            }
         }
         const auto p = [this](int j) { return acceptance(j); };
         int k = best_k(n_limit, p, others);
@@ -396,16 +473,16 @@ struct dflash_adapt {
             k += 1;
         }
         if (k > 0) {
-            return {drafted_for(k, n_limit), k};
+            return {drafted_for(k, n_limit), k, false};
         }
         stats.n_load_plain += held_by_load;
         for (int j = 0; j < n_max; ++j) {
             if (slow_seen[j] > 0.0) {
-                hits[j] += k_plain_return * (seen[j] * slow_hits[j] / slow_seen[j] - hits[j]);
+                draft.hits[j] += k_plain_return * (draft.seen[j] * slow_hits[j] / slow_seen[j] - draft.hits[j]);
             }
         }
         if (++since_probe < probe_interval(others)) {
-            return {0, 0};
+            return {0, 0, false};
         }
         // A probe asks whether the draft turned right, and beside other sequences its draft step
         // delays their tokens too. It has nothing to ask there when the draft already looks right
@@ -415,7 +492,7 @@ struct dflash_adapt {
         // others' rows. Alone, probing is as before.
         const int k_if_right = best_k(n_limit, [](int) { return k_turned_right_p; }, others);
         if (held_by_load || (others.rows > 0 && k_if_right == 0)) {
-            return {0, 0};
+            return {0, 0, false};
         }
         since_probe = 0;
         if (others.rows == 0 && costs->stale(2)) {
@@ -423,18 +500,30 @@ struct dflash_adapt {
             // calibration taken on a busy machine would keep drafting off for good. This probe
             // verifies one draft instead, for two steps (the second reuses the graph and counts).
             explore_left = 1;
-            return {drafted_for(1, n_limit), 1};
+            return {drafted_for(1, n_limit), 1, false};
         }
         stats.n_probes += 1;
-        // Once probes have hit past a new request's evidence (which probes at its first plain
-        // step), the draft looks right: a probe then proposes the block that would pay if every
-        // position were kept that often, so the later positions get measured too. Where one draft
-        // does not pay but several do (a tiny target's passes cost mostly their overhead),
-        // one-token probes kept k at 0 for good.
-        return {turned_right > fresh_evidence() ? std::max(1, k_if_right) : 1, 0};
+        return {probe_length(n_limit, others), 0, false};
     }
 
-    void observe(int j, bool kept) {
+    // Once probes have hit past a new request's evidence (which probes at its first plain step),
+    // the draft looks right: a probe then proposes the block that would pay if every position were
+    // kept that often, so the later positions get measured too. Where one draft does not pay but
+    // several do (a tiny target's passes cost mostly their overhead), one-token probes kept k at 0
+    // for good.
+    int probe_length(int n_limit, const dflash_load::part & others) const {
+        if (turned_right <= fresh_evidence()) {
+            return 1;
+        }
+        return std::max(1, best_k(n_limit, [](int) { return k_turned_right_p; }, others));
+    }
+
+    void observe(const proposal & p, bool kept) {
+        const int j = (int) p.next + 1;
+        if (p.from_lookup) {
+            lookup.observe(j, kept);
+            return;
+        }
         if (j == 1) {
             const double p = std::min(acceptance(1), k_expected_p_cap);
             turned_right += kept ? std::log(k_turned_right_p / p) : std::log((1.0 - k_turned_right_p) / (1.0 - p));
@@ -442,15 +531,17 @@ struct dflash_adapt {
         }
         slow_hits[j - 1] = k_slow_decay * slow_hits[j - 1] + (kept ? 1.0 : 0.0);
         slow_seen[j - 1] = k_slow_decay * slow_seen[j - 1] + 1.0;
-        hits[j - 1] = k_decay * hits[j - 1] + (kept ? 1.0 : 0.0);
-        seen[j - 1] = k_decay * seen[j - 1] + 1.0;
-        prior[j - 1] = std::max(k_prior_floor, k_decay * prior[j - 1]);
+        draft.observe(j, kept);
     }
 
     void proposed(const llama_token * tokens, int n) {
         if (costs != nullptr && n > 0) {
-            pending.push_back({std::vector<llama_token>(tokens, tokens + std::min(n, n_max)), 0});
+            pending.push_back({std::vector<llama_token>(tokens, tokens + std::min(n, n_max)), 0, false});
         }
+    }
+
+    void offer_lookup(const llama_token * tokens, int n) {
+        offered.assign(tokens, tokens + std::clamp(n, 0, n_max));
     }
 
     void committed(int n_verified, const llama_token * tokens, int n) {
@@ -458,7 +549,7 @@ struct dflash_adapt {
         for (int i = 0; i < n; ++i) {
             for (auto & p : pending) {
                 const bool kept = p.tokens[p.next] == tokens[i];
-                observe((int) p.next + 1, kept);
+                observe(p, kept);
                 p.next = kept ? p.next + 1 : p.tokens.size();
             }
             pending.erase(std::remove_if(pending.begin(), pending.end(),
@@ -468,11 +559,8 @@ struct dflash_adapt {
     }
 
     void reset() {
-        for (int j = 0; j < n_max; ++j) {
-            hits[j] *= k_carry_over;
-            seen[j] *= k_carry_over;
-            prior[j] = std::max(k_prior_floor, k_carry_over * prior[j]);
-        }
+        draft.carry_over();
+        lookup.carry_over();
         // A new request may be one the draft gets right (a listing after a chat answer): probe at
         // its first plain step, and back off from there (a useless draft costs 1-2 probes more a
         // request: one miss takes off ~2 of the log(longest) ~3.2 on the built-in pair).
@@ -480,6 +568,7 @@ struct dflash_adapt {
         since_probe = 0;
         explore_left = 0;
         pending.clear();
+        offered.clear();
         stats = {};
     }
 };
@@ -589,14 +678,7 @@ dflash_adapt * dflash_adapt_init(const dflash_costs * costs, int n_max) {
         if (costs != nullptr && costs->max_rows < n_max + 1) {
             fail("the pass costs cover %d rows, a step of n_max %d needs %d", costs->max_rows, n_max, n_max + 1);
         }
-        auto a = new dflash_adapt();
-        a->costs = costs;
-        a->n_max = n_max;
-        a->hits.assign(n_max, 0.0);
-        a->seen.assign(n_max, 0.0);
-        a->slow_hits.assign(n_max, 0.0);
-        a->slow_seen.assign(n_max, 0.0);
-        a->prior.assign(n_max, k_prior_weight);
+        auto a = new dflash_adapt(costs, n_max);
         a->turned_right = a->fresh_evidence();
         return a;
     }, (dflash_adapt *) nullptr);
@@ -637,12 +719,20 @@ dflash_adapt_plan dflash_adapt_plan_step_in(dflash_adapt * adapt, int n_limit, d
 
 void dflash_adapt_proposed(dflash_adapt * adapt, const llama_token * tokens, int n) { adapt->proposed(tokens, n); }
 
+void dflash_adapt_offer_lookup(dflash_adapt * adapt, const llama_token * tokens, int n) {
+    adapt->offer_lookup(tokens, n);
+}
+
 void dflash_adapt_committed(dflash_adapt * adapt, int n_verified, const llama_token * tokens, int n) {
     adapt->committed(n_verified, tokens, n);
 }
 
 float dflash_adapt_acceptance(const dflash_adapt * adapt, int j) {
     return j >= 1 && j <= adapt->n_max ? (float) adapt->acceptance(j) : 0.0f;
+}
+
+float dflash_adapt_lookup_acceptance(const dflash_adapt * adapt, int j) {
+    return j >= 1 && j <= adapt->n_max ? (float) adapt->lookup.acceptance(j) : 0.0f;
 }
 
 dflash_adapt_stats dflash_adapt_get_stats(const dflash_adapt * adapt) { return adapt->stats; }

@@ -95,9 +95,12 @@ int dflash_parse_spec_options_named(const char * text, dflash_spec_options * opt
             } else if (key == "adaptive") {
                 options->adaptive = parse_flag(key, value);
                 seen |= DFLASH_SPEC_ADAPTIVE;
+            } else if (key == "lookup") {
+                options->lookup = parse_flag(key, value);
+                seen |= DFLASH_SPEC_LOOKUP;
             } else {
                 fail("--spec-type dflash: unknown key '%s' (known: n_max, n_min, p_min, cross_ctx, "
-                     "dflash_cross_ctx, full_attention, log_drafts, min_accept, adaptive)", key.c_str());
+                     "dflash_cross_ctx, full_attention, log_drafts, min_accept, adaptive, lookup)", key.c_str());
             }
         }
         if (named != nullptr) {

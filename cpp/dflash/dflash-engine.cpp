@@ -256,6 +256,7 @@ struct dflash_engine {
 
     dflash_commit_callback on_commit = nullptr;
     void * on_commit_data = nullptr;
+    const dflash_lookup * lookup = nullptr;  // offered at every adaptive step
 };
 
 // One call of dflash_engine_generate, as the steps of the algorithm: prefill the prompt, then
@@ -276,7 +277,7 @@ struct dflash_engine::generation {
     int s = 0;                        // position of t
     llama_token t = 0;                // the target's next token, not yet returned
     dflash_impl::sampler::token_logprobs t_info;
-    std::vector<llama_token> proposal, verify;
+    std::vector<llama_token> proposal, verify, looked_up;
     std::vector<dflash_impl::sampler::token_logprobs> row_info;  // of each verification row's sample
 
     using row_logprobs = dflash_impl::sampler::token_logprobs;
@@ -372,8 +373,28 @@ struct dflash_engine::generation {
         return std::max(0, std::min({n_max, block - 1, max_tokens - n_out - 1, n_ctx - 2 - s}));
     }
 
-    // The draft's n tokens after t (the controller compares them with what the target commits).
-    void propose(int n) {
+    // The lookup's tokens after t, up to limit, offered to the controller for this step's plan.
+    void look_up(int limit) {
+        if (e.lookup == nullptr || adapt == nullptr || limit == 0) {
+            return;
+        }
+        looked_up.resize(limit);
+        const int n = e.lookup->propose(e.lookup->state, history.data(), (int) history.size(), limit, looked_up.data());
+        looked_up.resize(std::clamp(n, 0, limit));
+        dflash_adapt_offer_lookup(adapt, looked_up.data(), (int) looked_up.size());
+    }
+
+    // This step's proposal: the draft's plan.n_draft tokens after t, or the lookup's tokens (and
+    // the draft's then only compared: a probe). The controller compares each with what the target
+    // commits.
+    void propose(const dflash_adapt_plan & plan) {
+        draft(plan.n_draft);
+        if (plan.lookup) {
+            proposal.assign(looked_up.begin(), looked_up.begin() + plan.n_verify);
+        }
+    }
+
+    void draft(int n) {
         proposal.resize(n);
         if (n == 0) {
             return;
@@ -392,7 +413,7 @@ struct dflash_engine::generation {
 
     // Verify [t, d_1..d_n] at s..s+n in one target pass; keep positions s..s+acc and undo the rest.
     // Returns acc; the target's own token after them is the new t.
-    int verify_drafts(int n) {
+    int verify_drafts(int n, bool from_lookup) {
         const double t0 = now_ms();
         verify.assign(1, t);
         verify.insert(verify.end(), proposal.begin(), proposal.begin() + n);
@@ -435,6 +456,10 @@ struct dflash_engine::generation {
         st.n_steps += 1;
         st.n_drafted += n;
         st.n_accepted += acc;
+        if (from_lookup) {
+            st.n_lookup_drafted += n;
+            st.n_lookup_accepted += acc;
+        }
         return acc;
     }
 
@@ -458,10 +483,11 @@ struct dflash_engine::generation {
         st.end_reason = DFLASH_END_LENGTH;
         prefill(prompt, n_prompt);
         while (emit_current()) {
-            const dflash_adapt_plan plan = adapt ? dflash_adapt_plan_step(adapt, draft_limit(n_max))
-                                                 : dflash_adapt_plan{0, 0};
-            propose(plan.n_draft);
-            if (!emit_accepted(verify_drafts(plan.n_verify))) {
+            const int limit = draft_limit(n_max);
+            look_up(limit);
+            const dflash_adapt_plan plan = adapt ? dflash_adapt_plan_step(adapt, limit) : dflash_adapt_plan{0, 0, false};
+            propose(plan);
+            if (!emit_accepted(verify_drafts(plan.n_verify, plan.lookup))) {
                 break;
             }
         }
@@ -532,6 +558,8 @@ void dflash_engine_set_commit_callback(dflash_engine * engine, dflash_commit_cal
     engine->on_commit = callback;
     engine->on_commit_data = user_data;
 }
+
+void dflash_engine_set_lookup(dflash_engine * engine, const dflash_lookup * lookup) { engine->lookup = lookup; }
 
 dflash_sampling dflash_sampling_default(void) {
     dflash_sampling p{};

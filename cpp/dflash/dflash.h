@@ -184,10 +184,15 @@ DFLASH_API void dflash_seq_restore_state(const dflash_seq * seq);
 // A pass cost no pass has measured for 256 passes (a k the controller stopped choosing, perhaps on
 // a cost calibrated too high) is measured again: one draft more is verified for two steps.
 //
+// A proposal that needs no draft step (an n-gram lookup's) competes with the draft at each step:
+// the step verifies whichever buys the most tokens per millisecond, its k priced the same way with
+// no draft step, and the draft does not run when the lookup wins.
+//
 // Usage, per step of a sequence (the draft's cross-context is fed by every target pass anyway):
+//   dflash_adapt_offer_lookup(adapt, lookup_tokens, n);  // optional
 //   plan = dflash_adapt_plan_step(adapt, n_limit);      // n_limit: what block, budget, context allow
 //   if (plan.n_draft > 0) { draft plan.n_draft tokens; dflash_adapt_proposed(adapt, tokens, plan.n_draft); }
-//   verify the first plan.n_verify of them (0: a one-token decode);
+//   verify the first plan.n_verify of them, or of the lookup's when plan.lookup (0: a one-token decode);
 //   dflash_adapt_committed(adapt, plan.n_verify, committed_tokens, n_committed);
 
 #define DFLASH_MAX_VERIFY 63  // the most drafts a step can verify (a block of 64)
@@ -223,6 +228,8 @@ typedef struct dflash_adapt_plan dflash_adapt_plan;
 struct dflash_adapt_plan {
     int32_t n_draft;   // tokens the draft proposes this step (0: no draft step)
     int32_t n_verify;  // of which the first n_verify are verified (0: a one-token decode)
+    bool    lookup;    // the step verifies the first n_verify tokens of the lookup's offer instead
+                       // (n_draft is then 0: the draft does not run)
 };
 
 typedef struct dflash_adapt_stats dflash_adapt_stats;
@@ -230,6 +237,7 @@ struct dflash_adapt_stats {
     int64_t n_steps_at[DFLASH_MAX_VERIFY + 1];  // steps by the drafts they verified; [0] one-token decodes
     int64_t n_probes;                           // draft steps whose tokens were only compared
     int64_t n_load_plain;                       // one-token decodes that alone would have drafted (load)
+    int64_t n_lookup_steps;                     // steps that verified the lookup's tokens
 };
 
 // costs NULL: a fixed block length (every step verifies n_limit drafts, as without a controller).
@@ -258,10 +266,27 @@ DFLASH_API struct dflash_adapt_plan dflash_adapt_plan_step_in(dflash_adapt * ada
                                                               int seq);
 // The tokens the draft proposed for the positions after the current token.
 DFLASH_API void dflash_adapt_proposed(dflash_adapt * adapt, const llama_token * tokens, int n);
+// A proposal that costs no draft step (the n-gram lookup below) for the positions after the
+// current token, offered before the step is planned. The next plan verifies its first k tokens
+// instead of drafting when that buys the most tokens per millisecond: its acceptance per position
+// is measured on every offer, verified or not, as the draft's is. An adaptive controller only.
+DFLASH_API void dflash_adapt_offer_lookup(dflash_adapt * adapt, const llama_token * tokens, int n);
 // The tokens the step committed after the current token, in order, and how many drafts it verified.
 DFLASH_API void dflash_adapt_committed(dflash_adapt * adapt, int n_verified, const llama_token * tokens, int n);
-// The estimate of p_j, j = 1..n_max.
+// The estimate of p_j, j = 1..n_max, for the draft's tokens and for the lookup's.
 DFLASH_API float dflash_adapt_acceptance(const dflash_adapt * adapt, int j);
+DFLASH_API float dflash_adapt_lookup_acceptance(const dflash_adapt * adapt, int j);
+
+// --- proposers that need no model --------------------------------------------------------------
+// A proposer the caller plugs in: the n-gram lookup over the prompt and the reply so far is the
+// base's (common/ngram-map.h), which libikdflash does not link; llama-server and the Python
+// bindings wrap it (cpp/lookup/ngram-lookup.h). propose writes up to n_max tokens likely to follow
+// tokens[0..n_tokens) and returns how many (0: no match); the tokens end with the current one.
+typedef struct dflash_lookup dflash_lookup;
+struct dflash_lookup {
+    int (*propose)(void * state, const llama_token * tokens, int n_tokens, int n_max, llama_token * out);
+    void * state;
+};
 DFLASH_API struct dflash_adapt_stats dflash_adapt_get_stats(const dflash_adapt * adapt);
 
 // --- the speculative engine ---------------------------------------------------------------------
@@ -287,6 +312,8 @@ struct dflash_stats {
     int64_t n_accepted;      // draft tokens accepted
     int64_t n_steps;         // target passes after the prompt: n_generated = 1 + n_accepted + n_steps
                              // (the prompt pass gives the first token), less one if it ended at a stop token
+    int64_t n_lookup_drafted;   // of n_drafted, the lookup's tokens (the rest are the draft's)
+    int64_t n_lookup_accepted;  // of n_accepted, the lookup's
     double  t_prompt_ms;
     double  t_draft_ms;
     double  t_verify_ms;     // target passes, sampling and rollback
@@ -355,12 +382,15 @@ DFLASH_API int dflash_engine_generate(dflash_engine * engine, const llama_token 
 // The callback the engine's next generations report their tokens to (NULL: none).
 DFLASH_API void dflash_engine_set_commit_callback(dflash_engine * engine, dflash_commit_callback callback,
                                                   void * user_data);
+// The lookup the engine's next adaptive generations offer the controller at every step (NULL:
+// none). The caller keeps it alive meanwhile.
+DFLASH_API void dflash_engine_set_lookup(dflash_engine * engine, const dflash_lookup * lookup);
 
 // --- command line --------------------------------------------------------------------------------
 
 // What `--spec-type dflash:k=v,...` sets. Keys, as ik_llama.cpp spells them: n_max, n_min,
 // p_min, cross_ctx (alias dflash_cross_ctx); ours: full_attention, log_drafts, adaptive (0/1),
-// min_accept. cross_ctx 0 means "follow the context size".
+// min_accept, lookup (0/1). cross_ctx 0 means "follow the context size".
 typedef struct dflash_spec_options dflash_spec_options;
 struct dflash_spec_options {
     int32_t n_max;
@@ -371,6 +401,7 @@ struct dflash_spec_options {
     bool    log_drafts;      // ours: log every proposal (tests compare them across server paths)
     float   min_accept;      // ours: stop drafting for a request whose recent acceptance is below this (0: never)
     bool    adaptive;        // ours: each step verifies as many of up to n_max drafts as pay (default on)
+    bool    lookup;          // ours: an n-gram lookup proposes beside the draft (default on; adaptive only)
 };
 
 // Parse the part after "dflash:" into options (fields not named keep their values). Returns 0,
@@ -382,7 +413,7 @@ DFLASH_API int dflash_parse_spec_options(const char * text, dflash_spec_options 
 enum {
     DFLASH_SPEC_N_MAX = 1 << 0, DFLASH_SPEC_N_MIN = 1 << 1, DFLASH_SPEC_P_MIN = 1 << 2,
     DFLASH_SPEC_CROSS_CTX = 1 << 3, DFLASH_SPEC_FULL_ATTENTION = 1 << 4, DFLASH_SPEC_LOG_DRAFTS = 1 << 5,
-    DFLASH_SPEC_MIN_ACCEPT = 1 << 6, DFLASH_SPEC_ADAPTIVE = 1 << 7,
+    DFLASH_SPEC_MIN_ACCEPT = 1 << 6, DFLASH_SPEC_ADAPTIVE = 1 << 7, DFLASH_SPEC_LOOKUP = 1 << 8,
 };
 DFLASH_API int dflash_parse_spec_options_named(const char * text, dflash_spec_options * options, uint32_t * named);
 

@@ -45,6 +45,15 @@ class SpeculationStats:
     """Steps by how many drafts they verified, 0..n_max: the block length's choices ([0]: steps
     that decoded one token without verifying drafts)."""
     probes: int = 0  # draft steps whose tokens were compared with the target's, not verified
+    lookup_drafted: int = 0   # of drafted, the n-gram lookup's tokens (the rest are the draft's)
+    lookup_accepted: int = 0  # of accepted, the lookup's
+    lookup_steps: int = 0     # steps that verified the lookup's tokens instead of the draft's
+
+    @property
+    def by_proposer(self) -> dict[str, dict[str, int]]:
+        """Tokens offered for verification and accepted, by who proposed them."""
+        return {"draft": {"drafted": self.drafted - self.lookup_drafted, "accepted": self.accepted - self.lookup_accepted},
+                "lookup": {"drafted": self.lookup_drafted, "accepted": self.lookup_accepted}}
 
     @property
     def acceptance(self) -> float:
@@ -104,6 +113,9 @@ class Sampling:
 
 
 _S = Sampling()
+
+# The n-gram lookup's key: the tokens it matches earlier in the sequence (docs/design.md, "N-gram lookup").
+LOOKUP_KEY_SIZE = 3
 """The defaults, as the C library's dflash_sampling_default() has them; the Engine methods'
 sampling keywords take theirs from here."""
 
@@ -203,20 +215,20 @@ class Engine:
 
     @overload
     def speculate(self, prompt: str | Sequence[int], *, stream: Literal[False] = ..., max_tokens: int = ..., n_max: int = ...,
-                  adaptive: bool = ..., stop: Sequence[str] = ...,
+                  adaptive: bool = ..., lookup: bool = ..., stop: Sequence[str] = ...,
                   temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
                   repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
                   ) -> SpeculationResult: ...
 
     @overload
     def speculate(self, prompt: str | Sequence[int], *, stream: Literal[True], max_tokens: int = ..., n_max: int = ...,
-                  adaptive: bool = ..., stop: Sequence[str] = ...,
+                  adaptive: bool = ..., lookup: bool = ..., stop: Sequence[str] = ...,
                   temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
                   repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
                   ) -> TextStream[SpeculationResult]: ...
 
     def speculate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int | None = None,
-                  adaptive: bool = True, stop: Sequence[str] = (), stream: bool = False,
+                  adaptive: bool = True, lookup: bool = True, stop: Sequence[str] = (), stream: bool = False,
                   temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
                   min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
                   repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
@@ -225,13 +237,16 @@ class Engine:
         proposes (block_size - 1; default 4, or that when fewer).
         ``adaptive``: each step verifies as many of them as pay, from the acceptance measured per
         draft position and this machine's pass costs (none when drafting does not pay); False:
-        every step verifies n_max. ``stop``: strings that end the text (not included).
+        every step verifies n_max. ``lookup``: an n-gram lookup over the prompt and the reply so far
+        proposes beside the draft, and a step verifies its tokens instead of drafting when they
+        are expected to pay more (adaptive only; docs/design.md, "N-gram lookup").
+        ``stop``: strings that end the text (not included).
         ``stream=True``: a TextStream of text pieces instead, as stream() returns. The sampling
         keywords are Sampling's."""
         if self.draft is None:
             raise ValueError("speculate() needs a draft model; use generate() for the target alone")
         n_max = rules.n_max(n_max, self.block_size - 1)
-        return self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, stream, adaptive)
+        return self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, stream, adaptive, lookup)
 
     @overload
     def generate(self, prompt: str | Sequence[int], *, stream: Literal[False] = ..., max_tokens: int = ..., stop: Sequence[str] = ...,
@@ -257,7 +272,7 @@ class Engine:
     @overload
     def chat(self, messages: Sequence[Mapping[str, str] | tuple[str, str]], *, stream: Literal[False] = ...,
                   max_tokens: int = ..., n_max: int = ...,
-                  adaptive: bool = ..., stop: Sequence[str] = ...,
+                  adaptive: bool = ..., lookup: bool = ..., stop: Sequence[str] = ...,
                   temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
                   repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
                   ) -> SpeculationResult: ...
@@ -265,13 +280,14 @@ class Engine:
     @overload
     def chat(self, messages: Sequence[Mapping[str, str] | tuple[str, str]], *, stream: Literal[True],
                   max_tokens: int = ..., n_max: int = ...,
-                  adaptive: bool = ..., stop: Sequence[str] = ...,
+                  adaptive: bool = ..., lookup: bool = ..., stop: Sequence[str] = ...,
                   temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
                   repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
                   ) -> TextStream[SpeculationResult]: ...
 
     def chat(self, messages: Sequence[Mapping[str, str] | tuple[str, str]], *, max_tokens: int = 256,
-             n_max: int | None = None, adaptive: bool = True, stop: Sequence[str] = (), stream: bool = False,
+             n_max: int | None = None, adaptive: bool = True, lookup: bool = True, stop: Sequence[str] = (),
+             stream: bool = False,
              temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
              min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
              repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
@@ -282,7 +298,7 @@ class Engine:
         as for stream()."""
         sampling = Sampling.of(locals())
         n_max = rules.n_max(n_max, self.block_size - 1, zero_is_target_alone=True) if self.draft else 0
-        return self._run(self.chat_tokens(messages), max_tokens, n_max, sampling, stop, stream, adaptive)
+        return self._run(self.chat_tokens(messages), max_tokens, n_max, sampling, stop, stream, adaptive, lookup)
 
     def chat_tokens(self, messages: Sequence[Mapping[str, str] | tuple[str, str]]) -> list[int]:
         """The prompt chat() sends: the conversation in the target's template, ready for its reply."""
@@ -294,7 +310,7 @@ class Engine:
         return self.target.tokenize(text, add_special=False, parse_special=True)
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int | None = None,
-               adaptive: bool = True, stop: Sequence[str] = (),
+               adaptive: bool = True, lookup: bool = True, stop: Sequence[str] = (),
                temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
                min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
                repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
@@ -307,23 +323,26 @@ class Engine:
                 raise ValueError("this engine has no draft: stream with n_max=0")
             n_max = 0
         n_max = rules.n_max(n_max, self.block_size - 1, zero_is_target_alone=True)
-        stream = self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, True, adaptive)
+        stream = self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, True, adaptive, lookup)
         assert isinstance(stream, TextStream)
         return stream
 
     def _run(self, prompt: str | Sequence[int], max_tokens: int, n_max: int, sampling: Sampling,
-             stop: Sequence[str], stream: bool, adaptive: bool = False) -> SpeculationResult | TextStream[SpeculationResult]:
+             stop: Sequence[str], stream: bool, adaptive: bool = False,
+             lookup: bool = False) -> SpeculationResult | TextStream[SpeculationResult]:
         if self._native is None:
             raise ValueError("the engine is closed")
-        if not isinstance(adaptive, bool):
-            raise TypeError(f"adaptive must be True or False, got {adaptive!r}")
+        for name, flag in (("adaptive", adaptive), ("lookup", lookup)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        key_size = LOOKUP_KEY_SIZE if lookup and adaptive else 0
         rules.max_tokens(max_tokens)
         tokens = self.target.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         decoder = TextDecoder(self.target.detokenize, [stop] if isinstance(stop, str) else stop)
         options = dataclasses.asdict(sampling)
 
         def run(on_commit):
-            return self._native.generate(tokens, max_tokens, n_max, adaptive, on_commit=on_commit, **options)
+            return self._native.generate(tokens, max_tokens, n_max, adaptive, key_size, on_commit=on_commit, **options)
 
         finish = functools.partial(_result, with_logprobs=sampling.logprobs > 0)
         if stream:
@@ -345,7 +364,8 @@ def _result(native: tuple[list[int], dict[str, Any], list], decoder: TextDecoder
         accepted=raw["n_accepted"], steps=raw["n_steps"], prompt_time=raw["t_prompt_ms"] / 1e3,
         draft_time=raw["t_draft_ms"] / 1e3, verify_time=raw["t_verify_ms"] / 1e3,
         step_lengths=list(raw["step_lengths"]), steps_by_verified=list(raw["steps_by_verified"]),
-        probes=raw["n_probes"])
+        probes=raw["n_probes"], lookup_drafted=raw["n_lookup_drafted"], lookup_accepted=raw["n_lookup_accepted"],
+        lookup_steps=raw["n_lookup_steps"])
     reason = "stop" if decoder.stopped is not None else "eos" if raw["end_reason"] == "eog" else "length"
     kept = decoder.kept_tokens
     logprobs = None

@@ -1,0 +1,122 @@
+"""The n-gram lookup beside the draft: the controller's choice between the two proposals (costs and
+acceptance scripted, no model), then the engine, where the lookup must never change the output.
+
+The controller's choices depend on pass costs: tests that look at them fix the costs through
+IKDFLASH_COSTS, so that they are the same on any machine."""
+
+from __future__ import annotations
+
+import pytest
+from ikdflash import Engine
+from ikdflash._core import BlockController
+
+CPU_PASSES = [1.0, 1.09, 1.3, 1.6, 1.9]  # a step of 5 rows costs 1.9 one-row passes
+CPU_DRAFT = 0.7
+TARGET = 1  # the token the scripted target commits at every position
+
+
+def drive(ctl: BlockController, steps: int, *, draft_right: bool, lookup: list[int] | None) -> list[tuple[int, bool]]:
+    """Steps of a generation whose target commits TARGET everywhere. The lookup offers `lookup`
+    (None: no offer); the draft proposes TARGET when draft_right, else 2 (beside a looked-up
+    proposal, only as a probe). Returns each step's (n_verify, whether it verified the lookup's
+    tokens)."""
+    chosen = []
+    for _ in range(steps):
+        n_draft, n_verify, from_lookup = ctl.plan_offered(4, lookup or [])
+        drafted = [TARGET if draft_right else 2] * n_draft
+        if n_draft:
+            ctl.proposed(drafted)
+        proposal = lookup[:n_verify] if from_lookup else drafted
+        accepted = 0
+        while accepted < n_verify and proposal[accepted] == TARGET:
+            accepted += 1
+        ctl.committed(n_verify, [TARGET] * (accepted + 1))
+        chosen.append((n_verify, from_lookup))
+    return chosen
+
+
+def test_the_lookup_wins_where_it_is_right_and_the_draft_is_not():
+    ctl = BlockController(4, CPU_PASSES, CPU_DRAFT)
+    chosen = drive(ctl, 60, draft_right=False, lookup=[TARGET] * 4)
+    assert all(c == (4, True) for c in chosen[10:]), chosen[:20]
+    assert ctl.acceptance(lookup=True)[3] > 0.99
+    assert ctl.stats()["n_lookup_steps"] >= 50
+
+
+def test_the_draft_wins_where_it_is_right_and_the_lookup_is_not():
+    ctl = BlockController(4, CPU_PASSES, CPU_DRAFT)
+    chosen = drive(ctl, 60, draft_right=True, lookup=[2, 2, 2, 2])
+    assert all(c == (4, False) for c in chosen[10:]), chosen[:20]
+    assert ctl.acceptance(lookup=True)[0] < 0.05
+    assert ctl.stats()["n_lookup_steps"] <= 5
+
+
+def test_equally_right_the_lookup_wins_as_it_costs_no_draft_step():
+    ctl = BlockController(4, CPU_PASSES, CPU_DRAFT)
+    chosen = drive(ctl, 40, draft_right=True, lookup=[TARGET] * 4)
+    assert all(c == (4, True) for c in chosen[10:]), chosen[:20]
+
+
+def test_a_short_offer_loses_to_a_draft_that_is_right_for_longer():
+    """One looked-up token (2 tokens a step, no draft step) against four drafted ones (5 tokens for
+    1.9 passes and a draft step): the draft's step commits more per millisecond."""
+    ctl = BlockController(4, CPU_PASSES, CPU_DRAFT)
+    chosen = drive(ctl, 100, draft_right=True, lookup=[TARGET])
+    takeover = next(i for i, c in enumerate(chosen) if c == (4, False))
+    assert takeover < 20 and all(c == (4, False) for c in chosen[takeover:]), chosen[:40]
+
+
+def test_neither_right_decodes_one_token_at_a_time():
+    ctl = BlockController(4, CPU_PASSES, CPU_DRAFT)
+    chosen = drive(ctl, 200, draft_right=False, lookup=[2, 2, 2, 2])
+    assert sum(k for k, _ in chosen[20:]) <= 3, chosen[:40]
+
+
+def test_a_fixed_block_length_ignores_the_lookup():
+    ctl = BlockController(4, CPU_PASSES, CPU_DRAFT, adaptive=False)
+    assert ctl.plan_offered(4, [TARGET] * 4) == (4, 4, False)
+
+
+# --- in the engine ------------------------------------------------------------------------------
+
+def test_the_engine_verifies_the_lookup_where_the_draft_is_useless(oracle_pair, monkeypatch):
+    """The oracle target repeats token 0, which the lookup finds in the reply so far, while the
+    wrong draft never proposes it: the steps verify the lookup's tokens, and the draft hardly runs."""
+    monkeypatch.setenv("IKDFLASH_COSTS", "0.7:1,1.09,1.3,1.6,1.9")
+    target, _, wrong = oracle_pair
+    with Engine(target, wrong, n_ctx=256) as engine:
+        before = engine.draft.info()["graph_computes"]
+        out = engine.speculate("hello there", max_tokens=150, n_max=4)
+        computes = engine.draft.info()["graph_computes"] - before
+        off = engine.speculate("hello there", max_tokens=150, n_max=4, lookup=False)
+    st = out.stats
+    assert out.tokens == off.tokens == [0] * 150
+    # plain steps until the reply holds a key and its continuation (3 + 4 tokens), then lookups
+    assert st.steps_by_verified[0] <= 12 and st.lookup_steps >= st.steps - 12, st.steps_by_verified
+    assert st.by_proposer["lookup"]["accepted"] == st.lookup_accepted >= 0.9 * st.lookup_drafted
+    assert st.by_proposer["draft"]["accepted"] == 0
+    assert computes <= 2 * (st.probes + st.steps - st.lookup_steps), computes
+    assert off.stats.lookup_drafted == off.stats.lookup_steps == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+def test_lookup_beside_the_draft_is_lossless(swa_pairs, arch, monkeypatch):
+    """A repetitive prompt, on costs where the lookup always pays and on this machine's own: the
+    tokens are the target's alone, on a plain and on a hybrid (recurrent) target."""
+    target, draft = swa_pairs[arch]
+    with Engine(target, draft, n_ctx=512, n_batch=32) as engine:
+        prompt = engine.target.tokenize("one two three four five six seven eight " * 8, add_special=False)
+        plain = engine.generate(prompt, max_tokens=64).tokens
+        assert engine.speculate(prompt, max_tokens=64, n_max=4).tokens == plain  # this machine's costs
+    monkeypatch.setenv("IKDFLASH_COSTS", "5:1,1.01,1.02,1.03,1.04")
+    with Engine(target, draft, n_ctx=512, n_batch=32) as engine:
+        out = engine.speculate(prompt, max_tokens=64, n_max=4)
+    assert out.tokens == plain
+    assert out.stats.lookup_steps > 0 and sum(out.stats.steps_by_verified) == out.stats.steps
+
+
+def test_lookup_must_be_a_bool(oracle_pair):
+    target, right, _ = oracle_pair
+    with Engine(target, right, n_ctx=256) as engine:
+        with pytest.raises(TypeError, match="lookup must be True or False, got 3"):
+            engine.speculate("hi", max_tokens=4, lookup=3)
