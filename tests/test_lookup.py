@@ -1,14 +1,19 @@
 """The n-gram lookup beside the draft: the controller's choice between the two proposals (costs and
-acceptance scripted, no model), then the engine, where the lookup must never change the output.
+acceptance scripted, no model), then the engine and llama-server, where the lookup must never
+change the output.
 
 The controller's choices depend on pass costs: tests that look at them fix the costs through
 IKDFLASH_COSTS, so that they are the same on any machine."""
 
 from __future__ import annotations
 
+import urllib.request
+
 import pytest
-from ikdflash import Engine
+from ikdflash import Engine, Server
 from ikdflash._core import BlockController
+from ikdflash.serving.client import post_json, post_json_concurrently
+from ikdflash.serving.spectype import SpecType
 
 CPU_PASSES = [1.0, 1.09, 1.3, 1.6, 1.9]  # a step of 5 rows costs 1.9 one-row passes
 CPU_DRAFT = 0.7
@@ -120,3 +125,51 @@ def test_lookup_must_be_a_bool(oracle_pair):
     with Engine(target, right, n_ctx=256) as engine:
         with pytest.raises(TypeError, match="lookup must be True or False, got 3"):
             engine.speculate("hi", max_tokens=4, lookup=3)
+
+
+# --- in llama-server ----------------------------------------------------------------------------
+
+def serve(target, draft, log, spec: SpecType, *extra: str):
+    return Server(target, ctx_size=512, n_threads=2, log_file=log,
+                  extra_args=["--model-draft", str(draft), "--spec-type", spec.flag(), "--metrics", *extra])
+
+
+def test_the_server_verifies_the_lookup_and_counts_it_apart(oracle_pair, tmp_path, monkeypatch):
+    """The oracle target repeats token 0 and the wrong draft never proposes it: the slot's steps
+    verify the lookup's tokens, and timings, /slots and /metrics count them apart from the draft's."""
+    monkeypatch.setenv("IKDFLASH_COSTS", "0.7:1,1.09,1.3,1.6,1.9")
+    target, _, wrong = oracle_pair
+    request = {"prompt": "hello there", "n_predict": 120, "temperature": 0, "ignore_eos": True}
+    with serve(target, wrong, tmp_path / "on.log", SpecType(n_max=4, log_drafts=True)) as url:
+        on = post_json(url + "/completion", request)
+        metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    with serve(target, wrong, tmp_path / "off.log", SpecType(n_max=4, lookup=False)) as url:
+        off = post_json(url + "/completion", request)
+    assert on["content"] == off["content"] and on["tokens_predicted"] == off["tokens_predicted"] == 120
+    t = on["timings"]
+    assert t["draft_n_lookup"] >= 80 and t["draft_n_accepted_lookup"] >= 0.9 * t["draft_n_lookup"], t
+    assert t["draft_n_accepted"] - t["draft_n_accepted_lookup"] == 0  # the draft's own: never right
+    assert t["draft_steps"] <= 40, t
+    assert off["timings"]["draft_n_lookup"] == off["timings"]["draft_n_accepted_lookup"] == 0
+    assert f"llamacpp:draft_lookup_tokens_total {t['draft_n_lookup']}" in metrics
+    assert f"llamacpp:draft_lookup_tokens_accepted_total {t['draft_n_accepted_lookup']}" in metrics
+    assert f"llamacpp:spec_decode_num_lookup_tokens {t['draft_n_lookup']}" in metrics
+    assert "dflash: lookup after 0 at" in (tmp_path / "on.log").read_text()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_the_server_with_lookup_is_lossless(swa_pairs, tmp_path, arch, parallel, monkeypatch):
+    """Repetitive prompts, on costs where the lookup pays: the replies are the target's alone,
+    one slot or two side by side (the load-aware controller)."""
+    monkeypatch.setenv("IKDFLASH_COSTS", "5:1,1.01,1.02,1.03,1.04,1.05,1.06,1.07,1.08,1.09")
+    target, draft = swa_pairs[arch]
+    prompts = ["one two three four five six seven eight " * 6, "red green blue, red green blue, " * 6]
+    requests = [{"prompt": p, "n_predict": 48, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+                for p in prompts]
+    with Server(target, ctx_size=1024, n_threads=2) as url:
+        plain = [post_json(url + "/completion", r)["content"] for r in requests]
+    with serve(target, draft, tmp_path / "s.log", SpecType(n_max=4), "--parallel", str(parallel)) as url:
+        replies = post_json_concurrently(url + "/completion", requests)
+    assert [r["content"] for r in replies] == plain
+    assert sum(r["timings"]["draft_n_lookup"] for r in replies) > 0

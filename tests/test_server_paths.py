@@ -27,7 +27,9 @@ DRAFT_RESETS = ("resetting the draft context", "dflash: no draft")
 
 
 def dflash_args(draft, log_drafts: bool = False) -> list[str]:
-    return ["--model-draft", str(draft), "--spec-type", SpecType(n_max=4, log_drafts=log_drafts).flag()]
+    """With log_drafts, the draft alone proposes: the tests compare its proposals."""
+    spec = SpecType(n_max=4, log_drafts=log_drafts, lookup=False if log_drafts else None)
+    return ["--model-draft", str(draft), "--spec-type", spec.flag()]
 
 
 def completion(prompt: str | list[int], n_predict: int, **extra) -> dict:

@@ -31,19 +31,22 @@ ngram_lookup::ngram_lookup(int key_size, int max_run)
     : state_(std::make_unique<state>(std::max(key_size, 1), std::max(max_run, 1))) {
     plug_.state = this;
     plug_.propose = [](void * self, const llama_token * tokens, int n_tokens, int n_max, llama_token * out) {
-        return static_cast<ngram_lookup *>(self)->propose(tokens, n_tokens, n_max, out);
+        if (n_tokens < 1) {
+            return 0;
+        }
+        return static_cast<ngram_lookup *>(self)->propose(tokens, n_tokens - 1, tokens[n_tokens - 1], n_max, out);
     };
 }
 
 ngram_lookup::~ngram_lookup() = default;
 
-int ngram_lookup::propose(const llama_token * tokens, int n_tokens, int n_max, llama_token * out) {
-    if (n_tokens < 1 || n_max < 1) {
+int ngram_lookup::propose(const llama_token * tokens, int n_tokens, llama_token current, int n_max, llama_token * out) {
+    if (n_max < 1) {
         return 0;
     }
-    state_->follow(tokens, n_tokens - 1);
+    state_->follow(tokens, n_tokens);
     state_->run.clear();
-    common_ngram_map_draft(state_->map, state_->seen, tokens[n_tokens - 1], state_->run);
+    common_ngram_map_draft(state_->map, state_->seen, current, state_->run);
     const int n = std::min(n_max, (int) state_->run.size());
     std::copy(state_->run.begin(), state_->run.begin() + n, out);
     return n;

@@ -21,9 +21,9 @@ public:
     ngram_lookup(const ngram_lookup &) = delete;
     ngram_lookup & operator=(const ngram_lookup &) = delete;
 
-    // Up to n_max tokens after tokens[0..n_tokens), whose last is the current one. A sequence
-    // that is not the last one extended (a new request) starts the map anew.
-    int propose(const llama_token * tokens, int n_tokens, int n_max, llama_token * out);
+    // Up to n_max tokens after tokens[0..n_tokens) and the current token. A sequence that does not
+    // extend the last one (a new request) starts the map anew.
+    int propose(const llama_token * tokens, int n_tokens, llama_token current, int n_max, llama_token * out);
 
     // The plug for dflash_engine_set_lookup; valid while this object lives.
     const dflash_lookup * plug() const { return &plug_; }

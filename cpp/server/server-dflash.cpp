@@ -111,47 +111,80 @@ bool server_context::init_dflash_slot(server_slot & slot, int32_t cross_ctx) {
         return false;
     }
     slot.dflash_block = dflash_draft_block_size(draft_dflash);
-    slot.dflash_adapt = dflash_adapt_init(costs_dflash,
-                                          std::min(params_base.speculative.n_max, slot.dflash_block - 1));
+    const int n_max = std::min(params_base.speculative.n_max, slot.dflash_block - 1);
+    slot.dflash_adapt = dflash_adapt_init(costs_dflash, n_max);
     if (slot.dflash_adapt == nullptr) {
         SRV_ERR("dflash: %s\n", dflash_last_error());
         return false;
+    }
+    if (params_base.speculative.dflash_lookup && costs_dflash != nullptr) {
+        slot.dflash_lookup = std::make_unique<ngram_lookup>(ngram_lookup::default_key_size, n_max);
     }
     SLT_INF(slot, "%s", "DFlash speculative decoding initialized\n");
     return true;
 }
 
 // The slot's proposal for its next step: up to n_draft_max_pre tokens, of which the adaptive block
-// length verifies a leading part (none when the draft step fails).
+// length verifies a leading part: the draft's, or the n-gram lookup's where that pays more (none
+// when the draft step fails).
 llama_tokens server_context::dflash_draft(server_slot & slot, int n_draft_max_pre) {
-    const int64_t t_draft_start_us = ggml_time_us();
-    llama_tokens draft;
+    llama_tokens looked_up;
+    if (slot.dflash_lookup && n_draft_max_pre > 0) {
+        const llama_tokens & tokens = slot.cache_tokens.get_text_tokens();
+        looked_up.resize(n_draft_max_pre);
+        looked_up.resize(slot.dflash_lookup->propose(tokens.data(), (int) tokens.size(), slot.sampled, n_draft_max_pre,
+                                                     looked_up.data()));
+        dflash_adapt_offer_lookup(slot.dflash_adapt, looked_up.data(), (int) looked_up.size());
+    }
     // priced by what its rows add to the pass the other slots' rows are in
     const dflash_adapt_plan plan = load_dflash
         ? dflash_adapt_plan_step_in(slot.dflash_adapt, n_draft_max_pre, load_dflash, slot.id)
         : dflash_adapt_plan_step(slot.dflash_adapt, n_draft_max_pre);
-    draft.resize(plan.n_draft);
-    if (!draft.empty() && dflash_seq_draft(slot.dflash, slot.sampled, slot.cache_tokens.pos_next(), (int) draft.size(), draft.data()) != 0) {
-        SLT_WRN(slot, "dflash: no draft: %s\n", dflash_last_error());
-        draft.clear();
+    llama_tokens draft = dflash_run_draft(slot, plan.n_draft);
+    log_dflash_proposal(slot, "drafts", draft, plan.lookup ? 0 : plan.n_verify);
+    if (plan.lookup) {
+        draft.assign(looked_up.begin(), looked_up.begin() + plan.n_verify);  // the draft's were a probe
+        log_dflash_proposal(slot, "lookup", draft, plan.n_verify);
     } else if (!draft.empty()) {
-        dflash_adapt_proposed(slot.dflash_adapt, draft.data(), (int) draft.size());
-        if (costs_dflash) {
-            dflash_costs_observe_draft(costs_dflash, (int) draft.size(), (ggml_time_us() - t_draft_start_us) / 1e3);
-        }
-        if (params_base.speculative.dflash_log_drafts) {
-            std::string ids;
-            for (llama_token t : draft) {
-                ids += " " + std::to_string(t);
-            }
-            SLT_INF(slot, "dflash: drafts after %d at %d:%s (%d verified)\n", slot.sampled,
-                    slot.cache_tokens.pos_next(), ids.c_str(), plan.n_verify);
-        }
         draft.resize(plan.n_verify);  // a probe's tokens are only compared
-        if (!draft.empty() && llama_model_has_recurrent(model)) {
-            // the verification pass will run the recurrent state over the drafts too
-            dflash_seq_save_state(slot.dflash);
-        }
+    }
+    slot.dflash_lookup_step = plan.lookup;
+    if (!draft.empty() && llama_model_has_recurrent(model)) {
+        // the verification pass will run the recurrent state over the drafts too
+        dflash_seq_save_state(slot.dflash);
+    }
+    return draft;
+}
+
+// log_drafts=1: every proposal, by who made it ("drafts", "lookup"), and how many were verified.
+void server_context::log_dflash_proposal(const server_slot & slot, const char * proposer, const llama_tokens & tokens,
+                                         int n_verified) const {
+    if (!params_base.speculative.dflash_log_drafts || tokens.empty()) {
+        return;
+    }
+    std::string ids;
+    for (llama_token t : tokens) {
+        ids += " " + std::to_string(t);
+    }
+    SLT_INF(slot, "dflash: %s after %d at %d:%s (%d verified)\n", proposer, slot.sampled, slot.cache_tokens.pos_next(),
+            ids.c_str(), n_verified);
+}
+
+// The draft's n tokens after the slot's sampled token, compared by the controller with what the
+// target commits (none when the draft step fails).
+llama_tokens server_context::dflash_run_draft(server_slot & slot, int n) {
+    llama_tokens draft(n);
+    if (n == 0) {
+        return draft;
+    }
+    const int64_t t_start_us = ggml_time_us();
+    if (dflash_seq_draft(slot.dflash, slot.sampled, slot.cache_tokens.pos_next(), n, draft.data()) != 0) {
+        SLT_WRN(slot, "dflash: no draft: %s\n", dflash_last_error());
+        return {};
+    }
+    dflash_adapt_proposed(slot.dflash_adapt, draft.data(), n);
+    if (costs_dflash) {
+        dflash_costs_observe_draft(costs_dflash, n, (ggml_time_us() - t_start_us) / 1e3);
     }
     return draft;
 }
@@ -228,6 +261,10 @@ void server_context::dflash_accept(server_slot & slot, const std::vector<int> & 
     const int n_keep = (int) n_ids;  // the verified token + accepted drafts have final rows
     const llama_pos pos0 = slot.cache_tokens.pos_next() - (llama_pos) (slot.drafted.size() + 1);
     const std::vector<int32_t> rows(view_rows.begin(), view_rows.begin() + n_keep);
+    if (slot.dflash_lookup_step) {
+        slot.n_lookup_drafted += (int32_t) slot.drafted.size();
+        slot.n_lookup_accepted += n_keep - 1;
+    }
     if (dflash_seq_commit(slot.dflash, capture_dflash, rows.data(), n_keep, pos0) != 0) {
         SLT_WRN(slot, "dflash: %s; resetting the draft context\n", dflash_last_error());
         dflash_seq_reset(slot.dflash);

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                         help="each step verifies as many of the --n-max drafts as pay on this machine, none when "
                              "drafting does not pay (default); --no-adaptive: every step verifies --n-max")
+    parser.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
+                        help="an n-gram lookup over the prompt and the reply proposes beside the draft, verified "
+                             "where it pays more (default; adaptive only); --no-lookup: the draft alone")
     parser.add_argument("--cross-ctx", type=int, help="context rows the draft keeps (default: the context size)")
     parser.add_argument("--full-attention", action="store_true", help="ignore the draft's sliding windows")
     parser.add_argument("--min-accept", type=float, help="stop drafting for a request whose acceptance over its "
@@ -87,7 +90,8 @@ def say(message: str) -> None:
 
 def build_server(args: argparse.Namespace) -> Server:
     spec = SpecType(n_max=args.n_max, cross_ctx=args.cross_ctx, full_attention=args.full_attention,
-                    min_accept=args.min_accept, adaptive=None if args.adaptive else False)
+                    min_accept=args.min_accept, adaptive=None if args.adaptive else False,
+                    lookup=None if args.lookup else False)
     extra = ["--model-draft", str(args.draft.resolve()), "--spec-type", spec.flag()]
     if args.parallel != 1:
         extra += ["--parallel", str(args.parallel)]
