@@ -11,6 +11,7 @@ COMMANDS = {
     "parallel-slots": "parallel_slots",
     "first-command": "first_command",
     "batch-variance": "batch_variance",
+    "copy-heavy": "copy_heavy",
 }
 
 sys.exit(run_command("benchmarks.server", server.__doc__ or "", COMMANDS))
