@@ -181,17 +181,21 @@ def test_the_comparison_says_whether_drafting_paid():
     from ikdflash.cli.generate import comparison
 
     def result(seconds: float, steps: int = 39, drafted: int = 0, draft_seconds: float = 0.0,
-               plain_steps: int = 0) -> SpeculationResult:
+               plain_steps: int = 0, looked_up: int = 0) -> SpeculationResult:
         stats = SpeculationStats(prompt_tokens=5, generated=40, drafted=drafted, accepted=39 - steps, steps=steps,
                                  prompt_time=0.0, draft_time=draft_seconds, verify_time=seconds,
-                                 steps_by_verified=[plain_steps, 0])
+                                 steps_by_verified=[plain_steps, 0], lookup_drafted=looked_up,
+                                 lookup_accepted=looked_up)
         return SpeculationResult(text="", tokens=[1] * 40, stats=stats)
 
     slower = comparison(result(1.05, plain_steps=38), result(1.0))
     assert "DFlash 0.95x its speed: drafting does not pay for this pair on this machine; the adaptive block " \
            "length decoded 95% of the tokens without drafts" in slower
     assert comparison(result(0.45, steps=19, drafted=30, draft_seconds=0.05), result(1.0)).endswith(
-        "DFlash 2.00x its speed")
+        "DFlash 2.00x its speed (most kept tokens proposed by the draft)")
+    # 20 kept: 15 from the lookup, 5 from the draft
+    assert comparison(result(0.45, steps=19, drafted=30, draft_seconds=0.05, looked_up=15), result(1.0)).endswith(
+        "DFlash 2.00x its speed (most kept tokens proposed by the lookup)")
 
 
 def test_a_run_that_was_all_prompt_pass_is_not_compared():
@@ -243,9 +247,9 @@ def test_the_built_in_pairs_chat_defaults_apply_unless_overridden():
     add_arguments(parser)
     builtin = parser.parse_args(["hi"])
     assert system_message(builtin) == "You are a helpful assistant."
-    assert decoding_options(builtin) == {"n_max": None, "adaptive": True, "repeat_penalty": 1.1}  # None: 4, or fewer
+    assert decoding_options(builtin) == {"n_max": None, "adaptive": True, "lookup": True, "repeat_penalty": 1.1}  # None: 4, or fewer
     mine = parser.parse_args(["--repeat-penalty", "1.0", "--system", "Be brief.", "--no-adaptive", "hi"])
     assert system_message(mine) == "Be brief." and decoding_options(mine)["repeat_penalty"] == 1.0
     assert decoding_options(mine)["adaptive"] is False
     files = parser.parse_args(["--target", "t.gguf", "--draft", "d.gguf", "hi"])
-    assert system_message(files) is None and decoding_options(files) == {"n_max": None, "adaptive": True}
+    assert system_message(files) is None and decoding_options(files) == {"n_max": None, "adaptive": True, "lookup": True}

@@ -8,6 +8,7 @@ COMMANDS = {
     "replay": "replay",
     "draft-confidence": "draft_confidence",
     "target-confidence": "target_confidence",
+    "lookup-keys": "lookup_keys",
 }
 
 sys.exit(run_command("benchmarks.adaptive", adaptive.__doc__ or "", COMMANDS))

@@ -98,6 +98,9 @@ def comparison(out: SpeculationResult, plain: SpeculationResult) -> str:
         return line + (f"; the two runs are too unlike to compare (DFlash read {ratio:.2f}x, where its own counts "
                        f"allow {low:.2f}x to {high:.2f}x: the machine's speed changed between them)") + differ
     line += f"; DFlash {ratio:.2f}x its speed" + differ
+    if not differ and out.stats.accepted:
+        kept = {name: counts["accepted"] for name, counts in out.stats.by_proposer.items()}
+        line += f" (most kept tokens proposed by the {max(kept, key=kept.__getitem__)})"
     if not differ and ratio < PAYS:
         share = out.stats.plain_share
         line += (": drafting does not pay for this pair on this machine" +
@@ -125,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 system = system_message(args)
                 tokens = engine.chat_tokens(([("system", system)] if system else []) + [("user", prompt)])
-            alone_options = {k: v for k, v in options.items() if k not in ("n_max", "adaptive")}
+            alone_options = {k: v for k, v in options.items() if k not in ("n_max", "adaptive", "lookup")}
             alone_options.update(n_max=0, adaptive=False)
             stop = args.stop or ()
             if alone is not None:

@@ -13,7 +13,10 @@ def summary(label: str, stats: SpeculationStats, finish_reason: str) -> str:
     line = f"{label}: {stats.generated} tokens ({finish_reason}), {stats.tokens_per_second:.1f} tok/s"
     if stats.drafted:
         line += (f", acceptance {stats.acceptance:.1%}, tau {stats.mean_acceptance_length:.2f} "
-                 f"({stats.accepted}/{stats.drafted} drafts accepted in {stats.steps} steps)")
+                 f"({stats.accepted}/{stats.drafted} drafts accepted in {stats.steps} steps")
+        if stats.lookup_drafted:
+            line += f"; the n-gram lookup's {stats.lookup_accepted}/{stats.lookup_drafted} in {stats.lookup_steps}"
+        line += ")"
     if stats.steps_by_verified and stats.steps_by_verified[0]:
         line += (f"; {stats.steps_by_verified[0]} of {stats.generated} tokens decoded one at a time "
                  f"({stats.probes} probes)")
