@@ -494,7 +494,8 @@ def test_the_server_settles_like_the_engine(oracle_pair, tmp_path, monkeypatch, 
 
     monkeypatch.setenv("IKDFLASH_COSTS", "0.7:1,1.09,1.3,1.6,1.9")
     target, right, wrong = oracle_pair
-    args = ["--model-draft", str(right if which == "right" else wrong), "--spec-type", SpecType(n_max=4).flag()]
+    spec = SpecType(n_max=4, lookup=False)  # the target repeats itself: the lookup would win
+    args = ["--model-draft", str(right if which == "right" else wrong), "--spec-type", spec.flag()]
     with Server(target, ctx_size=512, n_threads=2, log_file=tmp_path / "s.log", extra_args=args) as url:
         t = completion(url, "hello", 80)["timings"]
     by_k = t["draft_steps_by_verified"]

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / ".ci" / "device-check"
-STAGES = ["build", "gpu_tests", "dflash2", "benchmarks", "adaptive", "suite"]
+STAGES = ["build", "gpu_tests", "dflash2", "lookup", "benchmarks", "adaptive", "suite"]
 
 
 def run(out: Path, commands: dict[str, str], *args: str, **env: str) -> subprocess.CompletedProcess:

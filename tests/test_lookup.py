@@ -120,6 +120,31 @@ def test_lookup_beside_the_draft_is_lossless(swa_pairs, arch, monkeypatch):
     assert out.stats.lookup_steps > 0 and sum(out.stats.steps_by_verified) == out.stats.steps
 
 
+def test_the_lookup_alone_needs_no_draft(swa_pairs, oracle_pair, monkeypatch):
+    """An engine without a draft verifies the lookup's tokens where they pay, through the same
+    controller: lossless, and fewer passes than tokens on a target that repeats itself."""
+    monkeypatch.setenv("IKDFLASH_COSTS", "0.7:" + ",".join(str(1 + r / 10) for r in range(9)))
+    target, _, _ = oracle_pair
+    with Engine(target, n_ctx=256) as engine:
+        out = engine.speculate("hello there", max_tokens=120, n_max=8)
+        assert out.tokens == engine.generate("hello there", max_tokens=120).tokens == [0] * 120
+        assert out.stats.lookup_steps > 0 and out.stats.steps <= 40 and out.stats.probes == 0
+        assert out.stats.by_proposer["draft"] == {"drafted": 0, "accepted": 0}
+        with pytest.raises(ValueError, match="needs lookup=True and adaptive=True"):
+            engine.speculate("hello there", max_tokens=8, adaptive=False)
+        with pytest.raises(ValueError, match=r"n_max must be in 1..15 \(what a step verifies without a draft\)"):
+            engine.speculate("hello there", max_tokens=8, n_max=16)
+    llama, _ = swa_pairs["llama"]
+    monkeypatch.delenv("IKDFLASH_COSTS")
+    with Engine(llama, n_ctx=512, n_batch=32) as engine:  # this machine's costs
+        prompt = engine.target.tokenize("one two three four five six seven eight " * 8, add_special=False)
+        assert engine.speculate(prompt, max_tokens=64).tokens == engine.generate(prompt, max_tokens=64).tokens
+    hybrid, _ = swa_pairs["qwen35moe"]
+    with Engine(hybrid, n_ctx=256) as engine:
+        with pytest.raises(ValueError, match="a lookup without a draft cannot speculate on a recurrent target"):
+            engine.speculate("hello there", max_tokens=8)
+
+
 def test_lookup_must_be_a_bool(oracle_pair):
     target, right, _ = oracle_pair
     with Engine(target, right, n_ctx=256) as engine:

@@ -15,8 +15,10 @@ Workloads, each generated greedily by one engine per pair, on 2 threads:
                   k = 0 is the best choice, and this workload does
     always-right  the tiny pair of benchmarks/server/overhead.py (every draft accepted)
 
-For each workload: tokens/s of the target alone, of fixed n_max 1, 2, 3, 4, and of the adaptive
-block length with n_max 4 (which may choose any k in 0..4 each step), each over a whole round of
+For each workload: tokens/s of the target alone, of fixed n_max 1, 2, 3, 4, of the adaptive
+block length with n_max 4 (which may choose any k in 0..4 each step) and the n-gram lookup off,
+so that the draft's own gain is measured, and of the same with the lookup on ("+lookup", as
+served by default), each over a whole round of
 the workload's requests and as a ratio to the target alone in the same round, and the adaptive
 mode's ratio to the best fixed choice of its round (k = 0, the target alone, included): medians
 over --repeats rounds. Every output must equal the target alone's (exit 1 otherwise). Also, per
@@ -72,10 +74,11 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
     (the target alone, k = 0, included): medians over rounds. Within a round every request runs in
     every mode back to back, so the machine's drift cancels in the ratios; a mixed workload's
     worth is the whole round's, not a typical request's."""
-    modes = ["alone"] + [f"fixed {k}" for k in FIXED] + ["adaptive"]
+    modes = ["alone"] + [f"fixed {k}" for k in FIXED] + ["adaptive", "+lookup"]
     speeds: dict[str, list[float]] = {m: [] for m in modes}
     ratios: dict[str, list[float]] = {m: [] for m in modes}
     vs_best_fixed: list[float] = []
+    lookup_vs_adaptive: list[float] = []  # the lookup's worth: +lookup over adaptive, per round
     plain_share, by_k, probes = [], [0] * 5, 0
     pass_share: dict[str, list[float]] = {m: [] for m in modes}   # a step's target pass / alone's
     draft_share: dict[str, list[float]] = {m: [] for m in modes}  # a step's draft step / alone's pass
@@ -83,13 +86,15 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
     # request to the next, as in a server's slot, which a fixed run in between would reset
     with Engine(target, n_ctx=2048, n_threads=2, repack=repack) as plain, \
             Engine(target, draft, n_ctx=2048, n_threads=2, repack=repack) as fixed, \
-            Engine(target, draft, n_ctx=2048, n_threads=2, repack=repack) as adaptive:
+            Engine(target, draft, n_ctx=2048, n_threads=2, repack=repack) as adaptive, \
+            Engine(target, draft, n_ctx=2048, n_threads=2, repack=repack) as lookup:
         prompts = prompts_of(fixed)
         repacked = plain.target.repacked
         for prompt in prompts[:1]:  # warm-up: first passes page weights in and plan buffers
             plain.generate(prompt, max_tokens=tokens)
             fixed.speculate(prompt, max_tokens=tokens, n_max=4, adaptive=False)
-            adaptive.speculate(prompt, max_tokens=tokens, n_max=4)
+            adaptive.speculate(prompt, max_tokens=tokens, n_max=4, lookup=False)
+            lookup.speculate(prompt, max_tokens=tokens, n_max=4)
         for r in range(repeats):
             generated = dict.fromkeys(modes, 0)
             seconds = dict.fromkeys(modes, 0.0)
@@ -99,7 +104,8 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
                 outs = {"alone": alone,
                         **{f"fixed {k}": fixed.speculate(prompt, max_tokens=tokens, n_max=k, adaptive=False)
                            for k in FIXED},
-                        "adaptive": adaptive.speculate(prompt, max_tokens=tokens, n_max=4)}
+                        "adaptive": adaptive.speculate(prompt, max_tokens=tokens, n_max=4, lookup=False),
+                        "+lookup": lookup.speculate(prompt, max_tokens=tokens, n_max=4)}
                 for mode, out in outs.items():
                     if out.tokens != alone.tokens:
                         sys.exit(f"{name}: {mode} turned from the target alone's output")
@@ -119,11 +125,13 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
                 ratios[m].append(speed[m] / speed["alone"])
                 pass_share[m].append(verify_s[m] / steps[m] / one_row)
                 draft_share[m].append(draft_s[m] / steps[m] / one_row)
-            vs_best_fixed.append(speed["adaptive"] / max(speed[m] for m in modes if m != "adaptive"))
+            vs_best_fixed.append(speed["adaptive"] / max(speed[m] for m in modes if m not in ("adaptive", "+lookup")))
+            lookup_vs_adaptive.append(speed["+lookup"] / speed["adaptive"])
             print(f"  {name}: round {r + 1}/{repeats} done", file=sys.stderr)
     return {"tokens_per_second": {m: statistics.median(v) for m, v in speeds.items()},
             "ratio_to_alone": {m: statistics.median(v) for m, v in ratios.items()},
             "adaptive_to_best_fixed": statistics.median(vs_best_fixed),
+            "lookup_to_adaptive": statistics.median(lookup_vs_adaptive), "lookup_to_adaptive_rounds": lookup_vs_adaptive,
             "pass_per_step_vs_alone": {m: statistics.median(v) for m, v in pass_share.items()},
             "draft_per_step_vs_alone": {m: statistics.median(v) for m, v in draft_share.items()},
             "adaptive_steps_by_verified": by_k, "adaptive_plain_share": statistics.mean(plain_share),
@@ -174,12 +182,13 @@ def main() -> None:
     results["controller"] = controller_cost(1e3 / alone)
     modes = list(results[args.workloads[0]]["ratio_to_alone"])
     print(f"{'workload':>13} | " + " ".join(f"{m:>9}" for m in modes)
-          + " | adaptive: to best fixed, k=0 share, steps by k, probes")
+          + " | adaptive: to best fixed, k=0 share, steps by k, probes | +lookup / adaptive (rounds)")
     for name in args.workloads:
         r = results[name]
         print(f"{name:>13} | " + " ".join(f"{r['ratio_to_alone'][m]:>8.2f}x" for m in modes)
               + f" | {r['adaptive_to_best_fixed']:.2f}x, {r['adaptive_plain_share']:.0%}, "
-              f"{r['adaptive_steps_by_verified']}, {r['adaptive_probes']}")
+              f"{r['adaptive_steps_by_verified']}, {r['adaptive_probes']} | {r['lookup_to_adaptive']:.3f}x "
+              f"({', '.join(f'{x:.3f}' for x in r['lookup_to_adaptive_rounds'])})")
     print("a step's target pass and draft step against the target alone's pass, in the engine:")
     for name in args.workloads:
         r = results[name]

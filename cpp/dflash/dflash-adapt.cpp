@@ -303,6 +303,7 @@ struct position_estimates {
 struct dflash_adapt {
     const dflash_costs * costs = nullptr;  // null: fixed block length
     int n_max = 0;
+    bool draftless = false;                // no draft: the lookup's offers or one-token decodes
     position_estimates draft;              // the draft's tokens
     std::vector<double> slow_hits, slow_seen;  // the draft's at k_slow_decay, kept across requests
     position_estimates lookup;             // the lookup's tokens (compared at every offer)
@@ -416,7 +417,7 @@ struct dflash_adapt {
         const auto pd = [this](int j) { return acceptance(j); };
         const auto pl = [this](int j) { return lookup.acceptance(j); };
         int best = 0;
-        double best_rate = draft_rate(best_k(n_limit, pd, others), n_limit, pd, others);
+        double best_rate = draft_rate(draftless ? 0 : best_k(n_limit, pd, others), n_limit, pd, others);
         for (int k = 1; k <= std::min(n_limit, n_offered); ++k) {
             const double r = rate(k, pl, 0.0, others);
             if (r > best_rate) {
@@ -454,13 +455,16 @@ struct dflash_adapt {
                 // The draft does not run while the lookup wins, so it is probed as at k = 0: a
                 // draft that turns out to pay more (runs longer than the lookup's) takes over.
                 stats.n_lookup_steps += 1;
-                const bool probe = ++since_probe >= probe_interval(others);
+                const bool probe = !draftless && ++since_probe >= probe_interval(others);
                 if (probe) {
                     since_probe = 0;
                     stats.n_probes += 1;
                 }
                 return {probe ? probe_length(n_limit, others) : 0, k, true};
             }
+        }
+        if (draftless) {
+            return {0, 0, false};
         }
         const auto p = [this](int j) { return acceptance(j); };
         int k = best_k(n_limit, p, others);
@@ -682,6 +686,18 @@ dflash_adapt * dflash_adapt_init(const dflash_costs * costs, int n_max) {
         a->turned_right = a->fresh_evidence();
         return a;
     }, (dflash_adapt *) nullptr);
+}
+
+dflash_adapt * dflash_adapt_init_draftless(const dflash_costs * costs, int n_max) {
+    if (costs == nullptr) {
+        dflash_impl::last_error = "a controller without a draft needs pass costs: it only verifies what pays";
+        return nullptr;
+    }
+    dflash_adapt * a = dflash_adapt_init(costs, n_max);
+    if (a != nullptr) {
+        a->draftless = true;
+    }
+    return a;
 }
 
 void dflash_adapt_free(dflash_adapt * adapt) { delete adapt; }

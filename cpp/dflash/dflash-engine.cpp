@@ -222,10 +222,12 @@ struct dflash_engine {
     int adapt_n_max = -1;
     bool adapt_fixed = false;
 
-    // The controller for a generation of n_max drafts a step: fixed, or adaptive on the costs.
+    // The controller for a generation of n_max drafts a step: fixed, or adaptive on the costs;
+    // without a draft, the lookup's (adaptive).
     dflash_adapt * controller(int n_max, bool adaptive) {
-        if (adaptive && costs == nullptr) {
-            costs.reset(dflash_costs_init(dflash_draft_block_size(draft)));
+        const int rows = draft ? dflash_draft_block_size(draft) : n_max + 1;  // a step's most
+        if (adaptive && (costs == nullptr || dflash_costs_max_rows(costs.get()) < rows)) {
+            costs.reset(dflash_costs_init(rows));
             if (costs == nullptr || dflash_costs_calibrate(costs.get(), ctx) != 0) {
                 const bool argument = dflash_last_error_is_argument();
                 const std::string why = dflash_last_error();
@@ -237,7 +239,8 @@ struct dflash_engine {
             }
         }
         if (adapt == nullptr || adapt_n_max != n_max || adapt_fixed != !adaptive) {
-            adapt.reset(dflash_adapt_init(adaptive ? costs.get() : nullptr, n_max));
+            adapt.reset(draft ? dflash_adapt_init(adaptive ? costs.get() : nullptr, n_max)
+                              : dflash_adapt_init_draftless(costs.get(), n_max));
             if (adapt == nullptr) {
                 fail("%s", dflash_last_error());
             }
@@ -369,7 +372,7 @@ struct dflash_engine::generation {
     // The most drafts this step may verify: bounded by n_max, the block, the context, and the
     // budget, leaving room for the target's own token so that every step's tokens are all returned.
     int draft_limit(int n_max) const {
-        const int block = e.draft ? dflash_draft_block_size(e.draft) : 1;
+        const int block = e.draft ? dflash_draft_block_size(e.draft) : DFLASH_MAX_VERIFY + 1;
         return std::max(0, std::min({n_max, block - 1, max_tokens - n_out - 1, n_ctx - 2 - s}));
     }
 
@@ -515,8 +518,18 @@ int dflash_engine::generate(const llama_token * prompt, int n_prompt, int max_to
     if (n_max < 0) {
         fail_argument("n_max must be >= 0, got %d", n_max);
     }
-    if (n_max > 0 && draft == nullptr) {
-        fail_argument("n_max %d needs a draft model", n_max);
+    if (n_max > 0 && draft == nullptr && (lookup == nullptr || !adaptive)) {
+        fail_argument("n_max %d needs a draft model, or a lookup and the adaptive block length", n_max);
+    }
+    if (n_max > DFLASH_MAX_VERIFY) {
+        fail_argument("n_max must be at most %d, got %d", DFLASH_MAX_VERIFY, n_max);
+    }
+    if (n_max > 0 && draft == nullptr && hybrid) {
+        fail_argument("a lookup without a draft cannot speculate on a recurrent target: its state snapshot "
+                      "lives with the draft's sequence");
+    }
+    if (n_max + 1 > (int) llama_n_batch(ctx)) {
+        fail_argument("the target's n_batch %d is smaller than a step of n_max %d", (int) llama_n_batch(ctx), n_max);
     }
     if (draft != nullptr && dflash_draft_block_size(draft) > (int) llama_n_batch(ctx)) {
         fail_argument("the target's n_batch %d is smaller than the draft's block", (int) llama_n_batch(ctx));
@@ -524,6 +537,8 @@ int dflash_engine::generate(const llama_token * prompt, int n_prompt, int max_to
     generation g(*this, max_tokens, sampling, out, st, step_lengths, logprobs);
     if (draft != nullptr) {
         g.adapt = controller(std::min(n_max, dflash_draft_block_size(draft) - 1), adaptive && n_max > 0);
+    } else if (n_max > 0) {
+        g.adapt = controller(n_max, true);
     }
     return g.run(prompt, n_prompt, n_max);
 }

@@ -243,6 +243,9 @@ struct dflash_adapt_stats {
 // costs NULL: a fixed block length (every step verifies n_limit drafts, as without a controller).
 // The controller reads costs (shared by the context's sequences) but never changes them.
 DFLASH_API dflash_adapt * dflash_adapt_init(const dflash_costs * costs, int n_max);
+// A sequence with no draft: each step verifies the lookup's offer where it pays, else decodes one
+// token (costs must be given).
+DFLASH_API dflash_adapt * dflash_adapt_init_draftless(const dflash_costs * costs, int n_max);
 DFLASH_API void dflash_adapt_free(dflash_adapt * adapt);
 // A new request on the sequence: pending proposals and statistics are dropped, the acceptance
 // estimates kept at half weight, the probe interval kept.
@@ -335,7 +338,9 @@ typedef enum dflash_end_reason {
 typedef bool (*dflash_commit_callback)(const llama_token * tokens, int n_tokens, void * user_data);
 
 // The engine holds the target context's capture (dflash_capture_init) while it lives.
-// draft may be NULL: the engine then only generates with the target.
+// draft may be NULL: the engine then generates with the target alone, or with n_max > 0 verifies
+// the lookup's tokens (dflash_engine_set_lookup) where they pay (adaptive only; not on a recurrent
+// target, whose state snapshot is kept with the draft's sequence).
 DFLASH_API dflash_engine * dflash_engine_init(struct llama_context * target, dflash_draft * draft, dflash_engine_params params);
 DFLASH_API void dflash_engine_free(dflash_engine * engine);
 

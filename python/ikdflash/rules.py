@@ -30,13 +30,15 @@ def _integer(name: str, value: object) -> int:
 
 
 @overload
-def n_max(value: int | None, most: int, *, zero_is_target_alone: bool = ..., name: str = ...) -> int: ...
+def n_max(value: int | None, most: int, *, zero_is_target_alone: bool = ..., name: str = ...,
+          most_is: str = ...) -> int: ...
 @overload
-def n_max(value: int | None, most: None, *, zero_is_target_alone: bool = ..., name: str = ...) -> int | None: ...
+def n_max(value: int | None, most: None, *, zero_is_target_alone: bool = ..., name: str = ...,
+          most_is: str = ...) -> int | None: ...
 
 
 def n_max(value: int | None, most: int | None, *, zero_is_target_alone: bool = False,
-          name: str = "n_max") -> int | None:
+          name: str = "n_max", most_is: str = "what one draft pass proposes") -> int | None:
     """Drafts verified per step: 1 up to ``most``, what one draft pass proposes (0 too, where the
     API documents it as the target alone; ``most`` None: not known yet, checked again once the
     draft is loaded). None: the default, 4 or ``most`` when fewer."""
@@ -44,7 +46,7 @@ def n_max(value: int | None, most: int | None, *, zero_is_target_alone: bool = F
         return None if most is None else min(DEFAULT_N_MAX, most)
     low = 0 if zero_is_target_alone else 1
     if _integer(name, value) < low or (most is not None and value > most):
-        rule = f"in {low}..{'N' if most is None else most} (what one draft pass proposes"
+        rule = f"in {low}..{'N' if most is None else most} ({most_is}"
         _refuse(name, rule + ("; 0: the target alone)" if low == 0 else ")"), value)
     return value
 
