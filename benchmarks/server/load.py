@@ -1,7 +1,7 @@
 """Aggregate throughput of llama-server under load, with the built-in pair's DFlash draft against
 without a draft.
 
-    python -m benchmarks.server load [--slots 2 4] [--rounds 3] [--tokens 128] [--json out.json]
+    python -m benchmarks.server load [--slots 2 4] [--rounds 3] [--tokens 128] [--json out.json] [--lookup-off]
         [--other PATH/llama-server]
 
 For each --slots N, each round starts the packaged llama-server with --parallel N twice, with the
@@ -13,7 +13,8 @@ median, the one-token decodes the load chose (/metrics dflash_load_plain_steps_t
 share of the wall time the draft steps took (the replies' timings.draft_ms summed: a server runs
 its slots' draft steps one after another).
 --other adds a third server per round, another build's llama-server with the same draft and
-flags (e.g. one before a change), in the same rotation, and reports it against the same plain runs.
+flags (e.g. one before a change), in the same rotation, and reports it against the same plain runs;
+--lookup-off one with the draft and the n-gram lookup off (--spec-type dflash:lookup=0).
 """
 
 from __future__ import annotations
@@ -47,10 +48,10 @@ def chat_bodies(tokens: int) -> list[dict]:
              "max_tokens": tokens, "temperature": 0, "cache_prompt": False} for q in QUESTIONS]
 
 
-def server_flags(draft: Path | None, slots: int) -> list[str]:
-    """--parallel slots, with the draft at the default --spec-type dflash when one is given."""
+def server_flags(draft: Path | None, slots: int, spec: SpecType | None = None) -> list[str]:
+    """--parallel slots, with the draft at --spec-type spec (default: dflash) when one is given."""
     flags = ["--parallel", str(slots)]
-    return flags if draft is None else flags + ["--model-draft", str(draft), "--spec-type", SpecType().flag()]
+    return flags if draft is None else flags + ["--model-draft", str(draft), "--spec-type", (spec or SpecType()).flag()]
 
 
 def post_in_waves(route: str, bodies: list[dict], slots: int) -> list[dict]:
@@ -62,9 +63,9 @@ def post_in_waves(route: str, bodies: list[dict], slots: int) -> list[dict]:
 
 
 def serve_once(target: Path, draft: Path | None, slots: int, tokens: int, binary: Path | None = None,
-               extra: Sequence[str] = ()) -> dict:
+               extra: Sequence[str] = (), spec: SpecType | None = None) -> dict:
     bodies = chat_bodies(tokens)
-    with Server(target, ctx_size=2048 * slots, extra_args=server_flags(draft, slots) + ["--metrics", *extra],
+    with Server(target, ctx_size=2048 * slots, extra_args=server_flags(draft, slots, spec) + ["--metrics", *extra],
                 binary=binary) as url:
         start = time.monotonic()
         replies = post_in_waves(url + "/v1/chat/completions", bodies, slots)
@@ -87,19 +88,24 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--other", type=Path, help="another llama-server build, run with the draft too")
+    parser.add_argument("--lookup-off", action="store_true",
+                        help="a third server per round: the draft with the n-gram lookup off (lookup=0)")
     args = parser.parse_args()
 
     target, draft = resolve_pair(DEFAULT_PAIR)
     results = {}
     for slots in args.slots:
         rounds = []
-        configs = {"dflash": (draft, None), "plain": (None, None)}
+        configs = {"dflash": (draft, None, None), "plain": (None, None, None)}
         if args.other:
-            configs["other"] = (draft, args.other)
+            configs["other"] = (draft, args.other, None)
+        if args.lookup_off:
+            configs["lookup=0"] = (draft, None, SpecType(lookup=False))
         names = list(configs)
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
-            runs = {name: serve_once(target, configs[name][0], slots, args.tokens, configs[name][1]) for name in order}
+            runs = {name: serve_once(target, configs[name][0], slots, args.tokens, configs[name][1],
+                                     spec=configs[name][2]) for name in order}
             ratios = {name: runs[name]["tokens_per_second"] / runs["plain"]["tokens_per_second"]
                       for name in names if name != "plain"}
             rounds.append({**runs, "ratios": ratios})

@@ -378,7 +378,7 @@ struct dflash_engine::generation {
 
     // The lookup's tokens after t, up to limit, offered to the controller for this step's plan.
     void look_up(int limit) {
-        if (e.lookup == nullptr || adapt == nullptr || limit == 0) {
+        if (e.lookup == nullptr || adapt == nullptr || e.adapt_fixed || limit == 0) {
             return;
         }
         looked_up.resize(limit);
