@@ -159,9 +159,9 @@ def test_bad_arguments(pairs):
         too_long = [65] * (engine.target.n_ctx + 1)
         with pytest.raises(ValueError, match=f"prompt has {len(too_long)} tokens but the context holds"):
             engine.speculate(too_long)
-    with Engine(target, n_ctx=64) as alone:
-        with pytest.raises(ValueError, match="needs a draft model"):
-            alone.speculate("hi")
+    with Engine(target, n_ctx=64) as alone:  # without a draft only the lookup proposes
+        with pytest.raises(ValueError, match="without a draft model verifies the n-gram lookup's tokens"):
+            alone.speculate("hi", lookup=False)
 
 
 def test_proposals_match_the_reference_end_to_end(tiny_model, tmp_path, monkeypatch):

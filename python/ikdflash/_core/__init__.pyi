@@ -100,6 +100,10 @@ class BlockController:
     def plan(self, n_limit: int, others: tuple[int, float, float] | None = None) -> tuple[int, int]:
         """(tokens the draft proposes, of which verified) for the next step; others: the (rows,
         expected tokens, draft ms) other sequences add to the same pass (dflash_adapt_plan_step_in)."""
+    def plan_offered(self, n_limit: int, lookup: list[int],
+                     others: tuple[int, float, float] | None = None) -> tuple[int, int, bool]:
+        """The same with the lookup's offer for the step (dflash_adapt_offer_lookup): (tokens the
+        draft proposes, of which verified, whether the step verifies the lookup's tokens instead)."""
     def proposed(self, tokens: list[int]) -> None: ...
     def committed(self, n_verified: int, tokens: list[int]) -> None: ...
     def reset(self) -> None: ...
@@ -110,17 +114,18 @@ class BlockController:
         """A draft step's time when it proposed n_tokens, as the engine reports each one."""
     def draft_ms(self, n_tokens: int) -> float:
         """The controller's estimate of a draft step proposing n_tokens."""
-    def acceptance(self) -> list[float]:
-        """The estimate of p_j (draft token j kept, given the ones before it were), j = 1..n_max."""
+    def acceptance(self, lookup: bool = False) -> list[float]:
+        """The estimate of p_j (draft token j kept, given the ones before it were), j = 1..n_max;
+        lookup: of the lookup's token j."""
     def stats(self) -> dict[str, Any]:
-        """steps_by_verified (0..n_max), n_probes and n_load_plain (one-token decodes that alone
-        would have drafted) since the last reset."""
+        """steps_by_verified (0..n_max), n_probes, n_load_plain (one-token decodes that alone
+        would have drafted) and n_lookup_steps since the last reset."""
 
 class Engine:
     """The speculative loop on a target Model (draft None: the target alone)."""
 
     def __init__(self, target: Model, draft: Draft | None, cross_ctx: int, full_attention: bool = False) -> None: ...
-    def generate(self, prompt: list[int], max_tokens: int, n_max: int, adaptive: bool = True,
+    def generate(self, prompt: list[int], max_tokens: int, n_max: int, adaptive: bool = True, lookup: int = 0,
                  temperature: float = 0.0, seed: int = 0,
                  top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0,
                  repeat_last_n: int = 64, logprobs: int = 0,
@@ -128,6 +133,6 @@ class Engine:
                  ) -> tuple[list[int], dict[str, Any], list[tuple[float, list[tuple[int, float]]]]]:
         """Tokens, statistics (end_reason: "length", "eog", "context" or "caller") and, with
         logprobs > 0, each token's (log-probability, [(token, log-probability)] of the logprobs
-        most likely). on_commit gets each step's committed tokens; a falsy result other than
-        None stops the generation."""
+        most likely). lookup: the n-gram lookup's key length (0: no lookup). on_commit gets each
+        step's committed tokens; a falsy result other than None stops the generation."""
     def close(self) -> None: ...
