@@ -139,10 +139,13 @@ def test_the_lookup_alone_needs_no_draft(swa_pairs, oracle_pair, monkeypatch):
     with Engine(llama, n_ctx=512, n_batch=32) as engine:  # this machine's costs
         prompt = engine.target.tokenize("one two three four five six seven eight " * 8, add_special=False)
         assert engine.speculate(prompt, max_tokens=64).tokens == engine.generate(prompt, max_tokens=64).tokens
-    hybrid, _ = swa_pairs["qwen35moe"]
-    with Engine(hybrid, n_ctx=256) as engine:
-        with pytest.raises(ValueError, match="a lookup without a draft cannot speculate on a recurrent target"):
-            engine.speculate("hello there", max_tokens=8)
+    hybrid, _ = swa_pairs["qwen35moe"]  # rejected lookups restore its recurrent state
+    monkeypatch.setenv("IKDFLASH_COSTS", "5:1,1.01,1.02,1.03,1.04")
+    with Engine(hybrid, n_ctx=512, n_batch=32) as engine:
+        prompt = engine.target.tokenize("one two three four five six seven eight " * 8, add_special=False)
+        out = engine.speculate(prompt, max_tokens=64)
+        assert out.tokens == engine.generate(prompt, max_tokens=64).tokens
+        assert out.stats.lookup_drafted > 0
 
 
 def test_lookup_must_be_a_bool(oracle_pair):
@@ -198,3 +201,54 @@ def test_the_server_with_lookup_is_lossless(swa_pairs, tmp_path, arch, parallel,
         replies = post_json_concurrently(url + "/completion", requests)
     assert [r["content"] for r in replies] == plain
     assert sum(r["timings"]["draft_n_lookup"] for r in replies) > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35moe"])
+def test_the_server_runs_the_lookup_alone(swa_pairs, oracle_pair, tmp_path, arch, monkeypatch):
+    """--spec-type lookup: the same slots and controller with no draft. On a target that repeats
+    itself the steps verify the lookup's tokens; on the tiny targets (a hybrid one among them,
+    whose rejected lookups restore its recurrent state) the replies stay the target's."""
+    monkeypatch.setenv("IKDFLASH_COSTS", "5:1,1.01,1.02,1.03,1.04,1.05,1.06,1.07,1.08,1.09")
+    target, _, _ = oracle_pair
+    request = {"prompt": "hello there", "n_predict": 60, "temperature": 0, "ignore_eos": True}
+    with Server(target, ctx_size=512, n_threads=2, log_file=tmp_path / "oracle.log",
+                extra_args=["--spec-type", "lookup:n_max=8"]) as url:
+        t = post_json(url + "/completion", request)["timings"]
+    assert t["draft_n_lookup"] == t["draft_n"] > 0 and t["draft_n_accepted_lookup"] == t["draft_n_accepted"] > 0
+    assert t["draft_steps"] < 20
+    assert "the lookup alone" in (tmp_path / "oracle.log").read_text()
+    tiny, _ = swa_pairs[arch]
+    requests = [{"prompt": p, "n_predict": 48, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+                for p in ("one two three four five six seven eight " * 6, "red green blue, red green blue, " * 6)]
+    with Server(tiny, ctx_size=512, n_threads=2) as url:
+        plain = [post_json(url + "/completion", r)["content"] for r in requests]
+    with Server(tiny, ctx_size=512, n_threads=2, log_file=tmp_path / "tiny.log",
+                extra_args=["--spec-type", "lookup", "--parallel", "2"]) as url:
+        replies = post_json_concurrently(url + "/completion", requests)
+    assert [r["content"] for r in replies] == plain
+    assert sum(r["timings"]["draft_n_lookup"] for r in replies) > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--spec-type", "lookup:lookup=0"], "the lookup alone needs lookup=1 and adaptive=1"),
+    (["--spec-type", "lookup:adaptive=0"], "the lookup alone needs lookup=1 and adaptive=1"),
+    (["--spec-type", "lookup:bogus=1"], "unknown key 'bogus'"),
+])
+def test_bad_lookup_flags_exit_with_their_reason(oracle_pair, flags, message):
+    from ikdflash import ServerError
+
+    target, _, _ = oracle_pair
+    with pytest.raises(ServerError, match=message):
+        with Server(target, ctx_size=256, n_threads=2, extra_args=flags):
+            pass
+
+
+def test_the_lookup_alone_takes_no_draft(oracle_pair, tmp_path):
+    from ikdflash import ServerError
+
+    target, right, _ = oracle_pair
+    log = tmp_path / "s.log"
+    with pytest.raises(ServerError, match="exited with code 1 during start-up"):
+        Server(target, ctx_size=256, n_threads=2, log_file=log, startup_timeout=60,
+               extra_args=["--model-draft", str(right), "--spec-type", "lookup"]).start()
+    assert "--spec-type lookup takes no draft: with --model-draft, use --spec-type dflash" in log.read_text()

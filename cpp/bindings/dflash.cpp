@@ -641,6 +641,7 @@ void bind_dflash(py::module_ & m) {
              py::arg("on_commit") = py::none());
     m.def("attention_mask", &attention_mask, py::arg("key_positions"), py::arg("start"), py::arg("n_query"),
           py::arg("sliding"), py::arg("causal"), py::arg("window"), py::arg("kv_pad") = 1);
+    m.attr("LOOKUP_MAX_RUN") = DFLASH_LOOKUP_MAX_RUN;
     m.def("parse_spec_options", &parse_spec_options, py::arg("text"),
           "The keys `--spec-type dflash:TEXT` names, with their values, as llama-server parses them.");
 }

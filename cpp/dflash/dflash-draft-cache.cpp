@@ -54,6 +54,9 @@ dflash_cache * dflash_cache_init(dflash_draft * d, int cross_ctx, bool full_atte
 void dflash_cache_free(dflash_cache * c) { delete c; }
 
 void dflash_cache_clear(dflash_cache * c) {
+    if (c == nullptr) {
+        return;
+    }
     c->keep_pending(0);
     c->clear_rings();
     c->history.count = c->history.start = 0;
@@ -62,6 +65,9 @@ void dflash_cache_clear(dflash_cache * c) {
 }
 
 void dflash_cache_truncate(dflash_cache * c, int32_t pos) {
+    if (c == nullptr) {
+        return;
+    }
     int keep = c->n_pending();
     while (keep > 0 && c->pending_pos[keep - 1] >= pos) {
         --keep;
@@ -89,6 +95,9 @@ int dflash_cache_shift(dflash_cache * c, int32_t p0, int32_t p1, int32_t delta) 
     return guarded([&]() -> int {
         if (p0 < 0 || p1 < p0 || (delta < 0 && p1 + delta < p0)) {
             fail("cannot shift: drop [%d, %d) and move the rows after it by %d", p0, p1, delta);
+        }
+        if (c == nullptr) {
+            return 0;
         }
         flush_pending(*c->draft, *c);
         dflash_history & h = c->history;
@@ -131,7 +140,7 @@ static bool flush_for_reading(dflash_cache * c) {
 }
 
 size_t dflash_cache_state_size(dflash_cache * c) {
-    if (!flush_for_reading(c)) {
+    if (c == nullptr || !flush_for_reading(c)) {
         return 0;
     }
     const dflash_history & h = c->history;
@@ -164,6 +173,12 @@ size_t dflash_cache_state_get(dflash_cache * c, uint8_t * dst, size_t size) {
 
 int dflash_cache_state_set(dflash_cache * c, const uint8_t * src, size_t size) {
     return guarded([&]() -> int {
+        if (c == nullptr) {
+            if (size != 0) {
+                fail("a sequence without a draft has no cross-context to put %zu bytes in", size);
+            }
+            return 0;
+        }
         state_header head;
         if (size < sizeof(head)) {
             fail("the cross-context state is truncated (%zu bytes)", size);

@@ -112,6 +112,9 @@ struct dflash_seq {
     }
 
     void commit(const dflash_capture & capture, const int32_t * idx, int n, llama_pos pos0) {
+        if (cache == nullptr) {
+            return;  // no draft: nothing reads the rows
+        }
         std::vector<float> features;
         capture.feature_rows(idx, n, features);
         std::vector<int32_t> pos(n);
@@ -205,7 +208,7 @@ struct dflash_engine {
 
     // Give the draft the first count rows of the last pass, at positions pos0...
     void commit_features(int count, int pos0) {
-        if (seq == nullptr || count == 0) {
+        if (capture == nullptr || count == 0) {
             return;
         }
         std::vector<int32_t> idx(count);
@@ -372,7 +375,7 @@ struct dflash_engine::generation {
     // The most drafts this step may verify: bounded by n_max, the block, the context, and the
     // budget, leaving room for the target's own token so that every step's tokens are all returned.
     int draft_limit(int n_max) const {
-        const int block = e.draft ? dflash_draft_block_size(e.draft) : DFLASH_MAX_VERIFY + 1;
+        const int block = e.draft ? dflash_draft_block_size(e.draft) : DFLASH_LOOKUP_MAX_RUN + 1;
         return std::max(0, std::min({n_max, block - 1, max_tokens - n_out - 1, n_ctx - 2 - s}));
     }
 
@@ -521,12 +524,8 @@ int dflash_engine::generate(const llama_token * prompt, int n_prompt, int max_to
     if (n_max > 0 && draft == nullptr && (lookup == nullptr || !adaptive)) {
         fail_argument("n_max %d needs a draft model, or a lookup and the adaptive block length", n_max);
     }
-    if (n_max > DFLASH_MAX_VERIFY) {
-        fail_argument("n_max must be at most %d, got %d", DFLASH_MAX_VERIFY, n_max);
-    }
-    if (n_max > 0 && draft == nullptr && hybrid) {
-        fail_argument("a lookup without a draft cannot speculate on a recurrent target: its state snapshot "
-                      "lives with the draft's sequence");
+    if (draft == nullptr && n_max > DFLASH_LOOKUP_MAX_RUN) {
+        fail_argument("n_max must be at most %d without a draft, got %d", DFLASH_LOOKUP_MAX_RUN, n_max);
     }
     if (n_max + 1 > (int) llama_n_batch(ctx)) {
         fail_argument("the target's n_batch %d is smaller than a step of n_max %d", (int) llama_n_batch(ctx), n_max);
@@ -553,11 +552,13 @@ dflash_engine * dflash_engine_init(llama_context * target, dflash_draft * draft,
         e->model = llama_get_model(target);
         e->draft = draft;
         e->hybrid = llama_model_has_recurrent(e->model);
-        if (draft != nullptr) {
+        if (draft != nullptr || e->hybrid) {  // without a draft, for the recurrent state's snapshot
             e->seq.reset(dflash_seq_init(draft, target, params.cross_ctx, params.full_attention, 0));
             if (e->seq == nullptr) {
                 fail("%s", dflash_last_error());
             }
+        }
+        if (draft != nullptr) {
             e->capture.reset(dflash_capture_init(target, draft));
             if (e->capture == nullptr) {
                 fail("%s", dflash_last_error());
@@ -680,9 +681,11 @@ dflash_seq * dflash_seq_init(dflash_draft * draft, llama_context * ctx, int cros
         auto s = std::make_unique<dflash_seq>();
         s->draft = draft;
         s->seq_id = seq_id;
-        s->cache = dflash_cache_init(draft, cross_ctx, full_attention);
-        if (s->cache == nullptr) {
-            fail("%s", dflash_last_error());
+        if (draft != nullptr) {
+            s->cache = dflash_cache_init(draft, cross_ctx, full_attention);
+            if (s->cache == nullptr) {
+                fail("%s", dflash_last_error());
+            }
         }
         s->bind_state_rows(ctx);
         return s.release();
@@ -699,12 +702,19 @@ dflash_cache * dflash_seq_cache(dflash_seq * seq) { return seq->cache; }
 
 int dflash_seq_commit(dflash_seq * seq, const dflash_capture * capture, const int32_t * rows, int n_rows, llama_pos pos0) {
     return guarded([&]() -> int {
+        if (seq->cache != nullptr && capture == nullptr) {
+            fail("no capture to take the rows from");
+        }
         seq->commit(*capture, rows, n_rows, pos0);
         return 0;
     }, -1);
 }
 
 int dflash_seq_draft(dflash_seq * seq, llama_token t, llama_pos pos, int n, llama_token * out) {
+    if (seq->draft == nullptr) {
+        dflash_impl::last_error = "this sequence has no draft";
+        return -1;
+    }
     const int block = dflash_draft_block_size(seq->draft);
     if (n < 0 || n > block - 1) {
         dflash_impl::last_error = "draft length " + std::to_string(n) + " outside 0.." + std::to_string(block - 1);

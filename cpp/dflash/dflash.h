@@ -99,7 +99,8 @@ DFLASH_API bool dflash_draft_dflash2_settings(const dflash_draft * draft, int32_
 // memory the fused context row of its newest cross_ctx positions (n_embd floats each): after a
 // truncation, a shift or a restored state, the layers are rebuilt from it exactly, so a sliding
 // layer never loses rows its window still covers.
-// The cache belongs to that draft: appends and steps take the same one.
+// The cache belongs to that draft: appends and steps take the same one. A sequence without a
+// draft has none (dflash_seq_cache returns NULL): the functions below take NULL as an empty cache.
 DFLASH_API dflash_cache * dflash_cache_init(dflash_draft * draft, int cross_ctx, bool full_attention);
 DFLASH_API void   dflash_cache_free(dflash_cache * cache);
 DFLASH_API void   dflash_cache_clear(dflash_cache * cache);
@@ -136,7 +137,8 @@ DFLASH_API void dflash_capture_begin(dflash_capture * capture, bool active);
 // (an output of another type or width) leaves llama_decode's return code at 0: check first.
 DFLASH_API int  dflash_capture_check(const dflash_capture * capture, int n_tokens);
 
-// A sequence seq_id of ctx (the target context whose passes are captured).
+// A sequence seq_id of ctx (the target context whose passes are captured). draft may be NULL: a
+// sequence verified with the lookup's tokens alone, which keeps only a hybrid target's snapshot.
 DFLASH_API dflash_seq * dflash_seq_init(dflash_draft * draft, struct llama_context * ctx, int cross_ctx, bool full_attention,
                                         llama_seq_id seq_id);
 DFLASH_API void dflash_seq_free(dflash_seq * seq);
@@ -196,6 +198,7 @@ DFLASH_API void dflash_seq_restore_state(const dflash_seq * seq);
 //   dflash_adapt_committed(adapt, plan.n_verify, committed_tokens, n_committed);
 
 #define DFLASH_MAX_VERIFY 63  // the most drafts a step can verify (a block of 64)
+#define DFLASH_LOOKUP_MAX_RUN 15  // without a draft, the most looked-up tokens a step verifies
 
 typedef struct dflash_costs dflash_costs;  // measured costs of a target context's passes by row count, and of a draft step
 typedef struct dflash_adapt dflash_adapt;  // one sequence's controller
@@ -339,8 +342,8 @@ typedef bool (*dflash_commit_callback)(const llama_token * tokens, int n_tokens,
 
 // The engine holds the target context's capture (dflash_capture_init) while it lives.
 // draft may be NULL: the engine then generates with the target alone, or with n_max > 0 verifies
-// the lookup's tokens (dflash_engine_set_lookup) where they pay (adaptive only; not on a recurrent
-// target, whose state snapshot is kept with the draft's sequence).
+// the lookup's tokens (dflash_engine_set_lookup) where they pay (adaptive only; n_max at most
+// DFLASH_LOOKUP_MAX_RUN).
 DFLASH_API dflash_engine * dflash_engine_init(struct llama_context * target, dflash_draft * draft, dflash_engine_params params);
 DFLASH_API void dflash_engine_free(dflash_engine * engine);
 

@@ -5,30 +5,47 @@
 #include <algorithm>
 #include <vector>
 
+namespace {
+// A map proposes only where the whole run it was made for follows the key, so a run of max_run
+// tokens is not found in a repeat shorter than key + max_run + 1 tokens; a second map for runs
+// this long finds those.
+constexpr int k_short_run = 4;
+}  // namespace
+
 struct ngram_lookup::state {
-    int key_size, max_run;
-    common_ngram_map map;
-    llama_tokens seen;  // the sequence the map was built over, less its current token
+    int key_size;
+    std::vector<int> runs;              // each map's run, longest first
+    std::vector<common_ngram_map> maps;
+    llama_tokens seen;                  // the sequence the maps index, less its current token
     llama_tokens run;
 
-    state(int key_size, int max_run)
-        : key_size(key_size), max_run(max_run), map((uint16_t) key_size, (uint16_t) max_run, /*only_keys=*/true, 1) {}
+    void start(const llama_token * tokens, int n) {
+        seen.assign(tokens, tokens + n);
+        maps.clear();
+        for (int length : runs) {
+            maps.emplace_back((uint16_t) key_size, (uint16_t) length, /*only_keys=*/true, 1);
+            common_ngram_map_begin(maps.back(), seen);
+        }
+    }
 
-    // The map indexes positions of `seen`: anything but an extension of it invalidates them.
+    // The maps index positions of `seen`: anything but an extension of it (a new request) starts
+    // them anew.
     void follow(const llama_token * tokens, int n) {
-        const bool extends = (size_t) n >= seen.size() && std::equal(seen.begin(), seen.end(), tokens);
+        const bool extends = !maps.empty() && (size_t) n >= seen.size() && std::equal(seen.begin(), seen.end(), tokens);
         if (!extends) {
-            map = common_ngram_map((uint16_t) key_size, (uint16_t) max_run, /*only_keys=*/true, 1);
-            seen.assign(tokens, tokens + n);
-            common_ngram_map_begin(map, seen);
+            start(tokens, n);
             return;
         }
         seen.insert(seen.end(), tokens + seen.size(), tokens + n);
     }
 };
 
-ngram_lookup::ngram_lookup(int key_size, int max_run)
-    : state_(std::make_unique<state>(std::max(key_size, 1), std::max(max_run, 1))) {
+ngram_lookup::ngram_lookup(int key_size, int max_run) : state_(std::make_unique<state>()) {
+    state_->key_size = std::max(key_size, 1);
+    state_->runs.push_back(std::max(max_run, 1));
+    if (max_run > k_short_run) {
+        state_->runs.push_back(k_short_run);
+    }
     plug_.state = this;
     plug_.propose = [](void * self, const llama_token * tokens, int n_tokens, int n_max, llama_token * out) {
         if (n_tokens < 1) {
@@ -45,8 +62,13 @@ int ngram_lookup::propose(const llama_token * tokens, int n_tokens, llama_token 
         return 0;
     }
     state_->follow(tokens, n_tokens);
-    state_->run.clear();
-    common_ngram_map_draft(state_->map, state_->seen, current, state_->run);
+    for (common_ngram_map & map : state_->maps) {
+        state_->run.clear();
+        common_ngram_map_draft(map, state_->seen, current, state_->run);
+        if (!state_->run.empty()) {
+            break;
+        }
+    }
     const int n = std::min(n_max, (int) state_->run.size());
     std::copy(state_->run.begin(), state_->run.begin() + n, out);
     return n;

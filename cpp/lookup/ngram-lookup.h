@@ -1,16 +1,15 @@
-// The n-gram lookup beside the DFlash draft: the base's n-gram map (common/ngram-map.h) over the
-// prompt and the reply so far, as the dflash_lookup a controller is offered (dflash.h). It finds
-// the last key_size tokens earlier in the sequence and proposes the tokens that followed them.
+// The n-gram lookup beside the DFlash draft: the base's n-gram map (common/ngram-map.h, as its
+// ngram-map-k) over the prompt and the reply so far, as the dflash_lookup a controller is offered
+// (dflash.h). It finds the last key_size tokens earlier in the sequence and proposes the tokens
+// that followed them there.
 // llama-server's DFlash slots and the Python bindings' Engine each keep one per sequence; it lives
-// outside libikdflash because the map is part of the base's common library.
+// outside libikdflash because the search is part of the base's common library.
 
 #pragma once
 
 #include "dflash.h"
 
 #include <memory>
-
-struct common_ngram_map;
 
 class ngram_lookup {
 public:
@@ -22,7 +21,7 @@ public:
     ngram_lookup & operator=(const ngram_lookup &) = delete;
 
     // Up to n_max tokens after tokens[0..n_tokens) and the current token. A sequence that does not
-    // extend the last one (a new request) starts the map anew.
+    // extend the last one (a new request) starts the maps anew.
     int propose(const llama_token * tokens, int n_tokens, llama_token current, int n_max, llama_token * out);
 
     // The plug for dflash_engine_set_lookup; valid while this object lives.

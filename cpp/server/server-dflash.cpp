@@ -1,5 +1,6 @@
 // llama-server's DFlash speculative decoding (--spec-type dflash): loading the draft, each slot's
-// cross-context, drafting, and committing the verified rows. server-context.cpp calls these from
+// cross-context, drafting, and committing the verified rows; and the n-gram lookup, beside the
+// draft or alone (--spec-type lookup: the same slots and controller, with no draft). server-context.cpp calls these from
 // its hooks; the DFlash runtime itself is libikdflash (dflash.h). This file is compiled into
 // llama-server from this repository: the patch series (patch
 // `server-DFlash-speculative-decoding-spec-type-dflash-`) adds it to the server's sources and keeps
@@ -16,13 +17,28 @@
 #include <fstream>
 #include <iterator>
 
+// The most tokens a slot's step verifies: n_max, bounded by what one draft pass proposes, or
+// without a draft by DFLASH_LOOKUP_MAX_RUN.
+int server_context::dflash_n_max() const {
+    const int most = draft_dflash ? dflash_draft_block_size(draft_dflash) - 1 : DFLASH_LOOKUP_MAX_RUN;
+    return std::min(params_base.speculative.n_max, most);
+}
+
 bool server_context::load_dflash_draft() {
-    if (params_base.speculative.model.empty()) {
-        LOG_ERROR("--spec-type dflash needs the DFlash draft: pass it with --model-draft", {});
-        return false;
-    }
+    const bool draftless = params_base.speculative.dflash_draftless;
     if (!params_base.mmproj.path.empty()) {
         LOG_ERROR("--spec-type dflash is not supported with a multimodal projector", {});
+        return false;
+    }
+    if (draftless) {
+        if (!params_base.speculative.model.empty()) {
+            LOG_ERROR("--spec-type lookup takes no draft: with --model-draft, use --spec-type dflash", {});
+            return false;
+        }
+        return dflash_rows_fit_the_batch();
+    }
+    if (params_base.speculative.model.empty()) {
+        LOG_ERROR("--spec-type dflash needs the DFlash draft: pass it with --model-draft", {});
         return false;
     }
     dflash_draft_params dparams = dflash_draft_default_params();
@@ -33,13 +49,7 @@ bool server_context::load_dflash_draft() {
         LOG_ERROR("failed to load the DFlash draft", { {"error", dflash_last_error()} });
         return false;
     }
-    // every slot's verification rows (the sampled token and its drafts) share one batch
-    const int n_rows_slot = std::min(params_base.speculative.n_max, dflash_draft_block_size(draft_dflash) - 1) + 1;
-    if ((int64_t) params_base.n_parallel * n_rows_slot > (int64_t) llama_n_batch(ctx)) {
-        LOG_ERROR("DFlash: the verification rows do not fit the batch", {
-            {"error", std::to_string(params_base.n_parallel) + " slots x " + std::to_string(n_rows_slot) +
-                      " rows (n_max + 1) exceed --batch-size " + std::to_string(llama_n_batch(ctx)) +
-                      "; raise --batch-size or lower --parallel or n_max"} });
+    if (!dflash_rows_fit_the_batch()) {
         return false;
     }
     // the draft's history: -cd (--ctx-size-draft), as upstream sets a DFlash draft's, or
@@ -58,10 +68,27 @@ bool server_context::load_dflash_draft() {
     return true;
 }
 
+// Every slot's verification rows (the sampled token and its drafts) share one batch.
+bool server_context::dflash_rows_fit_the_batch() const {
+    const int n_rows_slot = dflash_n_max() + 1;
+    if ((int64_t) params_base.n_parallel * n_rows_slot <= (int64_t) llama_n_batch(ctx)) {
+        return true;
+    }
+    LOG_ERROR("DFlash: the verification rows do not fit the batch", {
+        {"error", std::to_string(params_base.n_parallel) + " slots x " + std::to_string(n_rows_slot) +
+                  " rows (n_max + 1) exceed --batch-size " + std::to_string(llama_n_batch(ctx)) +
+                  "; raise --batch-size or lower --parallel or n_max"} });
+    return false;
+}
+
 // The capture of the target's layer outputs, and the history length each slot's cross-context
 // keeps (returned; the slot context unless set).
 int32_t server_context::init_dflash(int32_t n_ctx_slot) {
     const int32_t dflash_cross_ctx = params_base.speculative.dflash_cross_ctx > 0 ? params_base.speculative.dflash_cross_ctx : n_ctx_slot;
+    if (params_base.speculative.dflash_draftless) {
+        time_dflash_passes();
+        return dflash_cross_ctx;
+    }
     if (draft_dflash == nullptr) {
         return dflash_cross_ctx;
     }
@@ -80,28 +107,32 @@ int32_t server_context::init_dflash(int32_t n_ctx_slot) {
         engages ? "engages" : "can never engage");
     LLAMA_LOG_INFO("dflash: the draft runs on %s\n", dflash_draft_device(draft_dflash));
     if (params_base.speculative.dflash_adaptive) {
-        // the adaptive block length weighs each draft it could verify against what the extra
-        // verification rows add to the pass, which every slot's rows share: time passes of up
-        // to n_parallel x (n_max + 1) rows now
-        const int n_rows = std::min(params_base.n_parallel * (std::min(params_base.speculative.n_max, block - 1) + 1),
-                                    (int) llama_n_batch(ctx));
-        costs_dflash = dflash_costs_init(n_rows);
-        if (costs_dflash == nullptr || dflash_costs_calibrate(costs_dflash, ctx) != 0) {
-            SRV_WRN("dflash: timing the target's passes failed (%s): every step verifies n_max drafts\n",
-                    dflash_last_error());
-            dflash_costs_free(costs_dflash);
-            costs_dflash = nullptr;
-        } else {
-            std::string costs;
-            for (int r = 1; r <= n_rows; ++r) {
-                costs += string_format(" %.2f", dflash_costs_pass_ms(costs_dflash, r));
-            }
-            LLAMA_LOG_INFO("dflash: adaptive block length on (n_max %d the ceiling); target pass of 1..%d rows:%s ms\n",
-                           std::min(params_base.speculative.n_max, block - 1), n_rows, costs.c_str());
-            load_dflash = dflash_load_init(params_base.n_parallel);
-        }
+        time_dflash_passes();
     }
     return dflash_cross_ctx;
+}
+
+// The adaptive block length weighs each token it could verify against what the extra rows add to
+// the pass, which every slot's rows share: passes of up to n_parallel x (n_max + 1) rows are timed
+// now. Failing that, a slot with a draft verifies n_max drafts every step; one without decodes
+// one token at a time.
+void server_context::time_dflash_passes() {
+    const int n_rows = std::min(params_base.n_parallel * (dflash_n_max() + 1), (int) llama_n_batch(ctx));
+    costs_dflash = dflash_costs_init(n_rows);
+    if (costs_dflash == nullptr || dflash_costs_calibrate(costs_dflash, ctx) != 0) {
+        SRV_WRN("dflash: timing the target's passes failed (%s): %s\n", dflash_last_error(),
+                draft_dflash ? "every step verifies n_max drafts" : "no lookup");
+        dflash_costs_free(costs_dflash);
+        costs_dflash = nullptr;
+        return;
+    }
+    std::string costs;
+    for (int r = 1; r <= n_rows; ++r) {
+        costs += string_format(" %.2f", dflash_costs_pass_ms(costs_dflash, r));
+    }
+    LLAMA_LOG_INFO("dflash: adaptive block length on (n_max %d the ceiling%s); target pass of 1..%d rows:%s ms\n",
+                   dflash_n_max(), draft_dflash ? "" : ", the lookup alone", n_rows, costs.c_str());
+    load_dflash = dflash_load_init(params_base.n_parallel);
 }
 
 bool server_context::init_dflash_slot(server_slot & slot, int32_t cross_ctx) {
@@ -110,9 +141,10 @@ bool server_context::init_dflash_slot(server_slot & slot, int32_t cross_ctx) {
         SRV_ERR("dflash: %s\n", dflash_last_error());
         return false;
     }
-    slot.dflash_block = dflash_draft_block_size(draft_dflash);
-    const int n_max = std::min(params_base.speculative.n_max, slot.dflash_block - 1);
-    slot.dflash_adapt = dflash_adapt_init(costs_dflash, n_max);
+    const int n_max = dflash_n_max();
+    slot.dflash_block = n_max + 1;  // the most rows a step verifies
+    slot.dflash_adapt = draft_dflash ? dflash_adapt_init(costs_dflash, n_max)
+                                     : dflash_adapt_init_draftless(costs_dflash, n_max);
     if (slot.dflash_adapt == nullptr) {
         SRV_ERR("dflash: %s\n", dflash_last_error());
         return false;
@@ -191,10 +223,10 @@ llama_tokens server_context::dflash_run_draft(server_slot & slot, int n) {
 
 // DFlash: the draft's context rows of a saved slot, beside its state file (<file>.dflash).
 size_t dflash_save_to_file(const std::string & filename, dflash_seq * seq) {
-    if (seq == nullptr) {
-        return 0;
+    dflash_cache * cache = seq ? dflash_seq_cache(seq) : nullptr;
+    if (cache == nullptr) {
+        return 0;  // no draft (or no DFlash): no rows
     }
-    dflash_cache * cache = dflash_seq_cache(seq);
     std::vector<uint8_t> state(dflash_cache_state_size(cache));
     if (dflash_cache_state_get(cache, state.data(), state.size()) == 0) {
         return 0;
@@ -207,7 +239,7 @@ size_t dflash_save_to_file(const std::string & filename, dflash_seq * seq) {
 // Puts back the rows saved with the slot; without them (or if they do not fit this draft) the
 // draft starts from no rows, which costs acceptance but never exactness.
 void dflash_load_from_file(const std::string & filename, server_slot & slot) {
-    if (slot.dflash == nullptr) {
+    if (slot.dflash == nullptr || dflash_seq_cache(slot.dflash) == nullptr) {
         return;
     }
     std::ifstream file(filename, std::ios::binary);
@@ -287,7 +319,9 @@ void server_context::dflash_run_replays(std::vector<dflash_replay> & replays) {
         for (size_t k = 0; k < r.tokens.size(); ++k) {
             common_batch_add(replay, r.tokens[k], r.pos0 + (llama_pos) k, { r.slot->id }, false);
         }
-        dflash_capture_begin(capture_dflash, false);
+        if (capture_dflash) {
+            dflash_capture_begin(capture_dflash, false);
+        }
         if (llama_decode(ctx, replay) != 0) {
             SLT_ERR(*r.slot, "%s", "dflash: replaying the accepted tokens failed\n");
         }

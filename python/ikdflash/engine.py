@@ -116,8 +116,6 @@ _S = Sampling()
 
 # The n-gram lookup's key: the tokens it matches earlier in the sequence (docs/design.md, "N-gram lookup").
 LOOKUP_KEY_SIZE = 3
-# Without a draft: the most looked-up tokens a step verifies.
-LOOKUP_MAX_RUN = 15
 """The defaults, as the C library's dflash_sampling_default() has them; the Engine methods'
 sampling keywords take theirs from here."""
 
@@ -237,7 +235,7 @@ class Engine:
                   logprobs: int = _S.logprobs) -> SpeculationResult | TextStream[SpeculationResult]:
         """Generate with DFlash: draft up to n_max tokens per step, 1 up to what one draft pass
         proposes (block_size - 1; default 4, or that when fewer). Without a draft model, the
-        n-gram lookup's tokens alone, where they pay (n_max up to 15).
+        n-gram lookup's tokens alone, where they pay (n_max up to _core.LOOKUP_MAX_RUN, 15).
         ``adaptive``: each step verifies as many of them as pay, from the acceptance measured per
         draft position and this machine's pass costs (none when drafting does not pay); False:
         every step verifies n_max. ``lookup``: an n-gram lookup over the prompt and the reply so far
@@ -250,7 +248,7 @@ class Engine:
             if not (lookup and adaptive):
                 raise ValueError("speculate() without a draft model verifies the n-gram lookup's tokens, which "
                                  "needs lookup=True and adaptive=True; generate() runs the target alone")
-            n_max = rules.n_max(n_max, LOOKUP_MAX_RUN, most_is="what a step verifies without a draft")
+            n_max = rules.n_max(n_max, _core.LOOKUP_MAX_RUN, most_is="what a step verifies without a draft")
         else:
             n_max = rules.n_max(n_max, self.block_size - 1)
         return self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, stream, adaptive, lookup)
