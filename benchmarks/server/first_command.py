@@ -6,7 +6,8 @@
 Each round, in an order that alternates: `ikdflash generate PROMPT` (the built-in pair; its own
 line "DFlash X.XXx its speed" is the first figure, or the ratio it read where it calls the two
 runs too unlike to compare), then the packaged llama-server with the
-built-in pair (default --spec-type dflash, adaptive) and without a draft, one after the other,
+built-in pair (default --spec-type dflash, adaptive) and without a draft, one after the other
+(which first alternates by round too),
 each answering the same chat request (the pair's system prompt and repetition penalty, greedy,
 --max-tokens); the second figure is the ratio of their timings.predicted_per_second. Both
 figures are generation speed only, prompt processing excluded. Reported: each round's two
@@ -67,8 +68,12 @@ def main() -> None:
     rounds = []
     for r in range(args.rounds):
         def server_ratio() -> float:
-            dflash, dflash_text = server_speed(target, draft, request)
-            alone, alone_text = server_speed(target, None, request)
+            if r % 2 == 0:
+                dflash, dflash_text = server_speed(target, draft, request)
+                alone, alone_text = server_speed(target, None, request)
+            else:
+                alone, alone_text = server_speed(target, None, request)
+                dflash, dflash_text = server_speed(target, draft, request)
             assert dflash_text == alone_text, "llama-server's replies differ with and without the draft"
             return dflash / alone
         if r % 2 == 0:
