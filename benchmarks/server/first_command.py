@@ -67,8 +67,8 @@ def main() -> None:
                "cache_prompt": False}
     rounds = []
     for r in range(args.rounds):
-        def server_ratio() -> float:
-            if r % 2 == 0:
+        def server_ratio(draft_first: bool) -> float:
+            if draft_first:
                 dflash, dflash_text = server_speed(target, draft, request)
                 alone, alone_text = server_speed(target, None, request)
             else:
@@ -77,9 +77,9 @@ def main() -> None:
             assert dflash_text == alone_text, "llama-server's replies differ with and without the draft"
             return dflash / alone
         if r % 2 == 0:
-            cli, server = generate_ratio(args.prompt, args.max_tokens), server_ratio()
+            cli, server = generate_ratio(args.prompt, args.max_tokens), server_ratio(True)
         else:
-            server, cli = server_ratio(), generate_ratio(args.prompt, args.max_tokens)
+            server, cli = server_ratio(False), generate_ratio(args.prompt, args.max_tokens)
         rounds.append({"generate": cli, "llama_server": server})
         print(f"round {r + 1}: ikdflash generate {cli:.2f}x, llama-server {server:.2f}x", flush=True)
     medians = {name: statistics.median(r[name] for r in rounds) for name in ("generate", "llama_server")}

@@ -1,6 +1,7 @@
 // The adaptive block length (dflash.h, "adaptive block length"): how many draft tokens a step
-// verifies, chosen from the measured acceptance per draft position and the measured cost of a
-// target pass per row count. Nothing here touches a model but dflash_costs_calibrate.
+// verifies, or whether it verifies the lookup's tokens instead, chosen from the measured
+// acceptance per position of each and the measured cost of a target pass per row count. Nothing
+// here touches a model but dflash_costs_calibrate.
 
 #include "dflash.h"
 #include "dflash-measure.h"
@@ -377,10 +378,8 @@ struct dflash_adapt {
         return expected;
     }
 
-    // The k in 0..n_limit with the most tokens per millisecond from the whole pass: the other
-    // sequences' rows, tokens and draft steps are in it too, so a draft pays only if what its
-    // rows add to the shared pass, and its draft step to everyone's step, buys more tokens than
-    // that time would buy the others. Alone (others empty) it is this sequence's own rate.
+    // Tokens per millisecond of a step verifying k tokens kept as p says, its proposal costing
+    // draft_ms, in the pass beside the others' parts.
     template <typename Acceptance>
     double rate(int k, Acceptance p, double draft_ms, const dflash_load::part & others) const {
         const double step_ms = others.draft_ms + draft_ms + costs->next_pass_ms(others.rows + k + 1);
@@ -392,6 +391,10 @@ struct dflash_adapt {
         return rate(k, p, k == 0 ? 0.0 : draft_cost_at(k, n_limit), others);
     }
 
+    // The k in 0..n_limit with the most tokens per millisecond from the whole pass: the other
+    // sequences' rows, tokens and draft steps are in it too, so a draft pays only if what its
+    // rows add to the shared pass, and its draft step to everyone's step, buys more tokens than
+    // that time would buy the others. Alone (others empty) it is this sequence's own rate.
     template <typename Acceptance> int best_k(int n_limit, Acceptance p, const dflash_load::part & others) const {
         if (costs->scale_ms <= 0.0) {
             return n_limit;  // nothing measured yet: speculate, which measures
