@@ -642,6 +642,7 @@ void bind_dflash(py::module_ & m) {
     m.def("attention_mask", &attention_mask, py::arg("key_positions"), py::arg("start"), py::arg("n_query"),
           py::arg("sliding"), py::arg("causal"), py::arg("window"), py::arg("kv_pad") = 1);
     m.attr("LOOKUP_MAX_RUN") = DFLASH_LOOKUP_MAX_RUN;
+    m.attr("LOOKUP_KEY_SIZE") = ngram_lookup::default_key_size;
     m.def("parse_spec_options", &parse_spec_options, py::arg("text"),
           "The keys `--spec-type dflash:TEXT` names, with their values, as llama-server parses them.");
 }

@@ -112,9 +112,6 @@ struct dflash_seq {
     }
 
     void commit(const dflash_capture & capture, const int32_t * idx, int n, llama_pos pos0) {
-        if (cache == nullptr) {
-            return;  // no draft: nothing reads the rows
-        }
         std::vector<float> features;
         capture.feature_rows(idx, n, features);
         std::vector<int32_t> pos(n);
@@ -225,10 +222,14 @@ struct dflash_engine {
     int adapt_n_max = -1;
     bool adapt_fixed = false;
 
+    // The most rows a step's pass has: the draft's block, or without a draft the lookup's n_max
+    // tokens after the current one.
+    int step_rows(int n_max) const { return draft ? dflash_draft_block_size(draft) : n_max + 1; }
+
     // The controller for a generation of n_max drafts a step: fixed, or adaptive on the costs;
     // without a draft, the lookup's (adaptive).
     dflash_adapt * controller(int n_max, bool adaptive) {
-        const int rows = draft ? dflash_draft_block_size(draft) : n_max + 1;  // a step's most
+        const int rows = step_rows(n_max);
         if (adaptive && (costs == nullptr || dflash_costs_max_rows(costs.get()) < rows)) {
             costs.reset(dflash_costs_init(rows));
             if (costs == nullptr || dflash_costs_calibrate(costs.get(), ctx) != 0) {
@@ -527,11 +528,10 @@ int dflash_engine::generate(const llama_token * prompt, int n_prompt, int max_to
     if (draft == nullptr && n_max > DFLASH_LOOKUP_MAX_RUN) {
         fail_argument("n_max must be at most %d without a draft, got %d", DFLASH_LOOKUP_MAX_RUN, n_max);
     }
-    if (n_max + 1 > (int) llama_n_batch(ctx)) {
-        fail_argument("the target's n_batch %d is smaller than a step of n_max %d", (int) llama_n_batch(ctx), n_max);
-    }
-    if (draft != nullptr && dflash_draft_block_size(draft) > (int) llama_n_batch(ctx)) {
-        fail_argument("the target's n_batch %d is smaller than the draft's block", (int) llama_n_batch(ctx));
+    if (step_rows(n_max) > (int) llama_n_batch(ctx)) {
+        fail_argument(draft ? "the target's n_batch %d is smaller than the draft's block"
+                            : "the target's n_batch %d is smaller than a step of n_max + 1 rows",
+                      (int) llama_n_batch(ctx));
     }
     generation g(*this, max_tokens, sampling, out, st, step_lengths, logprobs);
     if (draft != nullptr) {
@@ -702,7 +702,10 @@ dflash_cache * dflash_seq_cache(dflash_seq * seq) { return seq->cache; }
 
 int dflash_seq_commit(dflash_seq * seq, const dflash_capture * capture, const int32_t * rows, int n_rows, llama_pos pos0) {
     return guarded([&]() -> int {
-        if (seq->cache != nullptr && capture == nullptr) {
+        if (seq->cache == nullptr) {
+            return 0;  // no draft: nothing reads the rows
+        }
+        if (capture == nullptr) {
             fail("no capture to take the rows from");
         }
         seq->commit(*capture, rows, n_rows, pos0);

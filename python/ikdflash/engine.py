@@ -113,9 +113,6 @@ class Sampling:
 
 
 _S = Sampling()
-
-# The n-gram lookup's key: the tokens it matches earlier in the sequence (docs/design.md, "N-gram lookup").
-LOOKUP_KEY_SIZE = 3
 """The defaults, as the C library's dflash_sampling_default() has them; the Engine methods'
 sampling keywords take theirs from here."""
 
@@ -340,7 +337,7 @@ class Engine:
         for name, flag in (("adaptive", adaptive), ("lookup", lookup)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
-        key_size = LOOKUP_KEY_SIZE if lookup and adaptive else 0
+        key_size = _core.LOOKUP_KEY_SIZE if lookup and adaptive else 0
         rules.max_tokens(max_tokens)
         tokens = self.target.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         decoder = TextDecoder(self.target.detokenize, [stop] if isinstance(stop, str) else stop)

@@ -23,6 +23,7 @@ def attention_mask(key_positions: list[int], start: int, n_query: int, sliding: 
 def repack_keeps_results(path: str) -> bool: ...
 
 LOOKUP_MAX_RUN: int  # without a draft, the most looked-up tokens a step verifies
+LOOKUP_KEY_SIZE: int  # the n-gram lookup's key: the tokens it matches earlier in the sequence
 
 def parse_spec_options(text: str) -> dict[str, Any]:
     """The keys `--spec-type dflash:TEXT` names, with their values, as llama-server parses them."""

@@ -17,13 +17,18 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                         help="each step verifies as many drafts as pay on this machine (default); "
                              "--no-adaptive: always --n-max")
-    parser.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
-                        help="an n-gram lookup over the prompt and the reply proposes beside the draft, verified "
-                             "where it pays more (default; adaptive only); --no-lookup: the draft alone")
+    add_lookup_argument(parser)
     parser.add_argument("--temperature", type=float, help="0: greedy (default)")
     parser.add_argument("--repeat-penalty", type=float,
                         help="penalty on the last 64 tokens (default 1: off; the built-in pair: 1.1)")
     parser.add_argument("--seed", type=int, help="sampling seed (with --temperature)")
+
+
+def add_lookup_argument(parser: argparse.ArgumentParser) -> None:
+    """--lookup / --no-lookup, for every command that speculates (generate, chat, serve)."""
+    parser.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
+                        help="an n-gram lookup over the prompt and the reply proposes beside the draft, verified "
+                             "where it pays more (default; adaptive only); --no-lookup: the draft alone")
 
 
 def check_engine_options(args: argparse.Namespace) -> None:

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from ikdflash import rules
+from ikdflash.cli.decoding import add_lookup_argument
 from ikdflash.sources.references import HubError, add_model_arguments, resolve_models
 from ikdflash.model import repack_by_default
 from ikdflash.sources.pair import check_pair
@@ -44,9 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                         help="each step verifies as many of the --n-max drafts as pay on this machine, none when "
                              "drafting does not pay (default); --no-adaptive: every step verifies --n-max")
-    parser.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
-                        help="an n-gram lookup over the prompt and the reply proposes beside the draft, verified "
-                             "where it pays more (default; adaptive only); --no-lookup: the draft alone")
+    add_lookup_argument(parser)
     parser.add_argument("--cross-ctx", type=int, help="context rows the draft keeps (default: the context size)")
     parser.add_argument("--full-attention", action="store_true", help="ignore the draft's sliding windows")
     parser.add_argument("--min-accept", type=float, help="stop drafting for a request whose acceptance over its "
