@@ -17,6 +17,7 @@ from ikdflash import Engine, _core, build_info
 from ikdflash.convert import convert
 from fixtures.tinydraft import write_tiny_draft
 from fixtures.gguf_edit import DROP, rewrite
+from test_draft import check_proposals
 from test_draft import target  # noqa: F401  (a tiny qwen3 target: GGUF, HF folder, loaded model)
 
 WINDOW = 8
@@ -158,9 +159,7 @@ def test_proposals_are_the_whole_steps_first_tokens(target, drafts, case):
     draft = _core.Draft(model, str(drafts[case][1]))
     cache = _core.CrossContext(draft, 64)
     cache.append(context(20, draft.info()["n_target_features"]), np.arange(20, dtype=np.int32))
-    _, whole = cache.step(65, 20)
-    for n in range(1, len(whole) + 1):
-        assert cache.propose(65, 20, n) == whole[:n]
+    check_proposals(cache, *cache.step(65, 20))
 
 
 def test_q8_0_follows_the_reference(target, tmp_path):

@@ -288,19 +288,36 @@ def test_upstream_dflash_format_loads_the_same(target, drafts, tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
+def softmax_at(logits: np.ndarray, tokens: list[int]) -> np.ndarray:
+    """Each row's softmax probability at its token (rows of logits, one token per row)."""
+    rows = logits.astype(np.float64)
+    rows = np.exp(rows - rows.max(axis=1, keepdims=True))
+    return rows[np.arange(len(tokens)), tokens] / rows.sum(axis=1)
+
+
+def check_proposals(cache, whole_logits: np.ndarray, whole: list[int]) -> None:
+    """propose(n) gives the whole step's first n tokens, and propose_with_confidence each one's
+    probability under its row's softmax (block rows 1..n of the step's logits)."""
+    expected = softmax_at(whole_logits[1:], whole)
+    for n in range(1, len(whole) + 1):
+        assert cache.propose(65, 20, n) == whole[:n]
+        tokens, confidence = cache.propose_with_confidence(65, 20, n)
+        assert tokens == whole[:n]
+        np.testing.assert_allclose(confidence, expected[:n], rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("case", ["causal-override", "swa-5+1"])
 def test_proposals_are_the_whole_steps_first_tokens(target, drafts, case):
     """propose(n) runs the head on rows 1..n only and, where every layer is causal, leaves the
-    rows past n out of the layers: its tokens are still the whole step's first n."""
+    rows past n out of the layers: its tokens are still the whole step's first n, and their
+    confidences the whole step's softmax at them."""
     _, _, model = target
     draft = _core.Draft(model, str(drafts[case][1]))
     cache = _core.CrossContext(draft, 64)
     features = context(20, draft.info()["n_target_features"])
     cache.append(features, np.arange(20, dtype=np.int32))
     assert all(draft.info()["causal"]) == (case == "causal-override")
-    _, whole = cache.step(65, 20)
-    for n in range(1, len(whole) + 1):
-        assert cache.propose(65, 20, n) == whole[:n]
+    check_proposals(cache, *cache.step(65, 20))
     with pytest.raises(ValueError, match="draft length 0 outside"):
         cache.propose(65, 20, 0)
 
@@ -331,6 +348,9 @@ def test_a_head_cut_to_the_trained_ids_scores_only_those(target, drafts, tmp_pat
     assert np.all(np.isneginf(logits[:, others]))
     assert tokens == [ids[i] for i in full_logits[1:, ids].argmax(axis=1)]
     assert tokens != list(full_logits[1:].argmax(axis=1))  # the cut changed at least one proposal
+    cache = _core.CrossContext(cut, 64)  # a token's confidence is its share of the cut head's softmax
+    cache.append(features, pos)
+    check_proposals(cache, *cache.step(65, 20))
 
 
 @pytest.mark.parametrize("ids,message", [

@@ -250,9 +250,19 @@ public:
     std::vector<llama_token> propose(int first_token, int start, int n) {
         std::vector<llama_token> tokens(std::max(n, 0));
         check(draft_.exclusive([&] {
-            return dflash_draft_propose(draft_.raw(), cache_, first_token, start, n, tokens.data());
+            return dflash_draft_propose(draft_.raw(), cache_, first_token, start, n, tokens.data(), nullptr);
         }));
         return tokens;
+    }
+
+    // The same, with each token's probability under its row's softmax: (tokens, confidences).
+    py::tuple propose_with_confidence(int first_token, int start, int n) {
+        std::vector<llama_token> tokens(std::max(n, 0));
+        std::vector<float> confidence(std::max(n, 0));
+        check(draft_.exclusive([&] {
+            return dflash_draft_propose(draft_.raw(), cache_, first_token, start, n, tokens.data(), confidence.data());
+        }));
+        return py::make_tuple(tokens, confidence);
     }
 
 private:
@@ -292,6 +302,25 @@ std::vector<int64_t> steps_by_verified(const dflash_adapt_stats & stats, int n_m
     return std::vector<int64_t>(stats.n_steps_at, stats.n_steps_at + n + 1);
 }
 
+// The draft tokens' calibration by tenth of their predicted acceptance: (compared, kept, sum of
+// predicted acceptance) for each tenth.
+py::list calibration_table(const dflash_adapt_stats & stats) {
+    py::list table;
+    for (const auto & tenth : stats.calibration) {
+        table.append(py::make_tuple(tenth.n, tenth.kept, tenth.predicted));
+    }
+    return table;
+}
+
+// The adaptive controller's statistics that the engine and BlockController both report.
+void add_block_stats(py::dict & d, const dflash_adapt_stats & stats, int n_max) {
+    d["steps_by_verified"] = steps_by_verified(stats, n_max);
+    d["n_probes"] = stats.n_probes;
+    d["n_lookup_steps"] = stats.n_lookup_steps;
+    d["n_confidence_cut"] = stats.n_confidence_cut;
+    d["calibration"] = calibration_table(stats);
+}
+
 // What `--spec-type dflash:TEXT` names, parsed by the runtime's own parser (the server's): the
 // named keys only, so the caller keeps its own defaults for the rest.
 py::dict parse_spec_options(const std::string & text) {
@@ -310,6 +339,7 @@ py::dict parse_spec_options(const std::string & text) {
     if (named & DFLASH_SPEC_MIN_ACCEPT) out["min_accept"] = options.min_accept;
     if (named & DFLASH_SPEC_ADAPTIVE) out["adaptive"] = options.adaptive;
     if (named & DFLASH_SPEC_LOOKUP) out["lookup"] = options.lookup;
+    if (named & DFLASH_SPEC_CONFIDENCE) out["confidence"] = options.confidence;
     return out;
 }
 
@@ -363,8 +393,14 @@ public:
         return py::make_tuple(p.n_draft, p.n_verify, p.lookup);
     }
 
-    void proposed(const std::vector<llama_token> & tokens) {
-        dflash_adapt_proposed(adapt_.get(), tokens.data(), (int) tokens.size());
+    // The draft's tokens for the planned step, with their confidences or None; how many it verifies.
+    int proposed(const std::vector<llama_token> & tokens, std::optional<std::vector<float>> confidence) {
+        if (confidence && confidence->size() != tokens.size()) {
+            throw py::value_error("confidence has " + std::to_string(confidence->size()) + " values for " +
+                                  std::to_string(tokens.size()) + " tokens");
+        }
+        return dflash_adapt_proposed(adapt_.get(), tokens.data(), confidence ? confidence->data() : nullptr,
+                                     (int) tokens.size());
     }
 
     void committed(int n_verified, const std::vector<llama_token> & tokens) {
@@ -393,10 +429,8 @@ public:
     py::dict stats() const {
         const dflash_adapt_stats st = dflash_adapt_get_stats(adapt_.get());
         py::dict d;
-        d["steps_by_verified"] = steps_by_verified(st, n_max_);
-        d["n_probes"] = st.n_probes;
+        add_block_stats(d, st, n_max_);
         d["n_load_plain"] = st.n_load_plain;
-        d["n_lookup_steps"] = st.n_lookup_steps;
         return d;
     }
 
@@ -446,8 +480,9 @@ public:
     }
 
     // lookup: the n-gram lookup's key length (0: no lookup beside the draft).
+    // confidence: each draft token's confidence sets how many are verified (adaptive only).
     py::tuple generate(const std::vector<llama_token> & prompt, int max_tokens, int n_max, bool adaptive, int lookup,
-                       const dflash_sampling & sampling, std::optional<py::function> on_commit) {
+                       bool confidence, const dflash_sampling & sampling, std::optional<py::function> on_commit) {
         target_.check_tokens(prompt);
         if (max_tokens < 0) {
             throw py::value_error("max_tokens must be >= 0, got " + std::to_string(max_tokens));
@@ -477,6 +512,7 @@ public:
             looker.emplace(lookup, n_max);
         }
         dflash_engine_set_lookup(engine_, looker ? looker->plug() : nullptr);
+        dflash_engine_set_confidence(engine_, confidence);
         const int n = target_.exclusive([&] {
             return dflash_engine_generate(engine_, prompt.data(), (int) prompt.size(), max_tokens, n_max, adaptive,
                                           &sampling, out.data(), &stats, step_lengths.data(), &logprobs);
@@ -505,11 +541,9 @@ public:
         st["t_verify_ms"] = stats.t_verify_ms;
         step_lengths.resize(stats.n_steps);
         st["step_lengths"] = step_lengths;
-        st["steps_by_verified"] = steps_by_verified(stats.block, n_max);
-        st["n_probes"] = stats.block.n_probes;
+        add_block_stats(st, stats.block, n_max);
         st["n_lookup_drafted"] = stats.n_lookup_drafted;
         st["n_lookup_accepted"] = stats.n_lookup_accepted;
-        st["n_lookup_steps"] = stats.block.n_lookup_steps;
         static const char * const end_reasons[] = {"length", "eog", "context", "caller"};
         st["end_reason"] = end_reasons[stats.end_reason];
         py::list per_token;  // (logprob, [(token, logprob), ...]) for each returned token
@@ -598,7 +632,9 @@ void bind_dflash(py::module_ & m) {
         .def("set_state", &CrossContext::set_state, py::arg("state"))
         .def("n_rows", &CrossContext::n_rows)
         .def("step", &CrossContext::step, py::arg("first_token"), py::arg("start"))
-        .def("propose", &CrossContext::propose, py::arg("first_token"), py::arg("start"), py::arg("n"));
+        .def("propose", &CrossContext::propose, py::arg("first_token"), py::arg("start"), py::arg("n"))
+        .def("propose_with_confidence", &CrossContext::propose_with_confidence, py::arg("first_token"),
+             py::arg("start"), py::arg("n"));
     py::class_<BlockController>(m, "BlockController")
         .def(py::init<int, const std::vector<double> &, const std::vector<double> &, bool>(), py::arg("n_max"),
              py::arg("pass_ms"), py::arg("draft_ms"), py::arg("adaptive") = true)
@@ -608,7 +644,7 @@ void bind_dflash(py::module_ & m) {
         .def("plan", &BlockController::plan, py::arg("n_limit"), py::arg("others") = py::none())
         .def("plan_offered", &BlockController::plan_offered, py::arg("n_limit"), py::arg("lookup"),
              py::arg("others") = py::none())
-        .def("proposed", &BlockController::proposed, py::arg("tokens"))
+        .def("proposed", &BlockController::proposed, py::arg("tokens"), py::arg("confidence") = py::none())
         .def("committed", &BlockController::committed, py::arg("n_verified"), py::arg("tokens"))
         .def("reset", &BlockController::reset)
         .def("observe_pass", &BlockController::observe_pass, py::arg("n_rows"), py::arg("ms"))
@@ -621,7 +657,7 @@ void bind_dflash(py::module_ & m) {
              py::arg("full_attention") = false, py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
         .def("close", &Engine::close)
         .def("generate", [](Engine & engine, const std::vector<llama_token> & prompt, int max_tokens, int n_max,
-                            bool adaptive, int lookup, float temperature, uint32_t seed, int top_k, float top_p, float min_p, float repeat_penalty,
+                            bool adaptive, int lookup, bool confidence, float temperature, uint32_t seed, int top_k, float top_p, float min_p, float repeat_penalty,
                             int repeat_last_n, int logprobs, std::optional<py::function> on_commit) {
                  dflash_sampling sampling = dflash_sampling_default();
                  sampling.temperature = temperature;
@@ -632,9 +668,9 @@ void bind_dflash(py::module_ & m) {
                  sampling.repeat_penalty = repeat_penalty;
                  sampling.repeat_last_n = repeat_last_n;
                  sampling.n_probs = logprobs;
-                 return engine.generate(prompt, max_tokens, n_max, adaptive, lookup, sampling, on_commit);
+                 return engine.generate(prompt, max_tokens, n_max, adaptive, lookup, confidence, sampling, on_commit);
              }, py::arg("prompt"), py::arg("max_tokens"), py::arg("n_max"), py::arg("adaptive") = true,
-             py::arg("lookup") = 0,
+             py::arg("lookup") = 0, py::arg("confidence") = true,
              py::arg("temperature") = 0.0f,
              py::arg("seed") = 0, py::arg("top_k") = 0, py::arg("top_p") = 1.0f, py::arg("min_p") = 0.0f,
              py::arg("repeat_penalty") = 1.0f, py::arg("repeat_last_n") = 64, py::arg("logprobs") = 0,

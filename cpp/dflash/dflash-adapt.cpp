@@ -93,6 +93,16 @@ constexpr long k_stale_passes = 256;
 // climbs to n_max within a few steps.
 constexpr int k_lookahead_interval = 4;
 constexpr double k_lookahead_seen = 4.0;
+// A drafted token's confidence (its probability under the draft's softmax) is calibrated per
+// position and confidence tenth against what the target kept: discounted counts, each tenth
+// following its last ~50 observations, whose prior is the position's own estimate worth this many
+// observations and discounted as the position's prior is (k_decay, down to k_prior_floor), so a
+// tenth not yet seen predicts what its position does and one seen a few times what it has seen.
+constexpr int k_confidence_bins = 10;
+constexpr double k_bin_decay = 0.98;
+constexpr double k_bin_prior_weight = 2.0;
+// What the cut made of recent draft steps of each length (cut_outcomes) follows the last ~20.
+constexpr double k_cut_decay = 0.95;
 
 double clamped(double value, double estimate) {
     return std::clamp(value, estimate / k_outlier, estimate * k_outlier);
@@ -128,6 +138,13 @@ struct dflash_costs {
     // pass had another shape.
     double next_pass_ms(int rows) const {
         return pass_ms(rows) + (rows == last_rows ? 0.0 : k_switch_share * switch_ms);
+    }
+
+    // The same for a mean number of rows, between the two whole counts around it.
+    double next_pass_ms(double rows) const {
+        const int below = (int) std::floor(rows);
+        const double above_share = rows - below;
+        return (1.0 - above_share) * next_pass_ms(below) + above_share * next_pass_ms(below + 1);
     }
 
     // A step proposing n tokens runs the draft's head on n rows, which for a large vocabulary costs
@@ -296,6 +313,56 @@ struct position_estimates {
     }
 };
 
+// Per draft position j and confidence tenth: P(token j kept | the tokens before it kept, its
+// confidence in that tenth) (see k_bin_*).
+struct confidence_calibration {
+    std::vector<double> hits, seen, prior;  // [(j - 1) * k_confidence_bins + tenth]
+
+    explicit confidence_calibration(int n)
+        : hits((size_t) n * k_confidence_bins, 0.0), seen((size_t) n * k_confidence_bins, 0.0),
+          prior((size_t) n * k_confidence_bins, k_bin_prior_weight) {}
+
+    static size_t at(int j, float confidence) {
+        const int tenth = std::clamp((int) (confidence * k_confidence_bins), 0, k_confidence_bins - 1);
+        return (size_t) (j - 1) * k_confidence_bins + tenth;
+    }
+
+    double acceptance(int j, float confidence, double position_p) const {
+        const size_t i = at(j, confidence);
+        return (hits[i] + prior[i] * position_p) / (seen[i] + prior[i]);
+    }
+
+    void observe(int j, float confidence, bool kept) {
+        const size_t i = at(j, confidence);
+        hits[i] = k_bin_decay * hits[i] + (kept ? 1.0 : 0.0);
+        seen[i] = k_bin_decay * seen[i] + 1.0;
+        prior[i] = std::max(k_prior_floor, k_decay * prior[i]);
+    }
+};
+
+// What the confidence cut made of the draft steps proposing n tokens (index n - 1): the tokens its
+// choices commit in expectation and the rows they verify, discounted averages whose prior is a
+// step verifying all n as the position estimates price it, worth one observation and discounted
+// like one (by its own estimates the cut never does worse than that).
+struct cut_outcomes {
+    std::vector<double> tokens, rows, seen, prior;
+
+    explicit cut_outcomes(int n) : tokens(n, 0.0), rows(n, 0.0), seen(n, 0.0), prior(n, k_prior_weight) {}
+
+    double expected_tokens(int n, double uncut_tokens) const {
+        return (tokens[n - 1] + prior[n - 1] * uncut_tokens) / (seen[n - 1] + prior[n - 1]);
+    }
+
+    double expected_rows(int n) const { return (rows[n - 1] + prior[n - 1] * n) / (seen[n - 1] + prior[n - 1]); }
+
+    void observe(int n, double expected, int verified) {
+        tokens[n - 1] = k_cut_decay * tokens[n - 1] + expected;
+        rows[n - 1] = k_cut_decay * rows[n - 1] + verified;
+        seen[n - 1] = k_cut_decay * seen[n - 1] + 1.0;
+        prior[n - 1] = std::max(k_prior_floor, k_cut_decay * prior[n - 1]);
+    }
+};
+
 // One sequence's controller. Every proposal stays pending until the target has committed a token
 // at each of its positions or one differs. Every fourth step verifying k drafts proposes k + 1, so
 // the position after k stays measured (against the target's own token, or a later one) and the
@@ -306,6 +373,9 @@ struct dflash_adapt {
     int n_max = 0;
     bool draftless = false;                // no draft: the lookup's offers or one-token decodes
     position_estimates draft;              // the draft's tokens
+    confidence_calibration calibration;    // the draft's tokens by their confidence
+    cut_outcomes cut;                      // and what the cut by it made of draft steps
+    bool confident = false;                // this request's draft steps come with confidences
     std::vector<double> slow_hits, slow_seen;  // the draft's at k_slow_decay, kept across requests
     position_estimates lookup;             // the lookup's tokens (compared at every offer)
     std::vector<llama_token> offered;      // the lookup's offer for the coming step
@@ -313,16 +383,22 @@ struct dflash_adapt {
         std::vector<llama_token> tokens;
         size_t next = 0;                   // the index compared with the next committed token
         bool from_lookup = false;
+        std::vector<float> confidence;     // the draft's, per token (empty: none given)
+        std::vector<double> predicted;     // and the calibrated acceptance each had when proposed
     };
     std::deque<proposal> pending;
     double turned_right = 0.0;             // the probes' evidence that the draft turned right (CUSUM)
     int since_probe = 0;                   // plain steps since the last probe
     int explore_left = 0;                  // steps still to verify one draft more (a stale pass cost)
     int since_lookahead = 0;               // verifying steps since the last that proposed one token more
+    dflash_adapt_plan planned{};           // the last plan, and the load beside it
+    bool exploring = false;                // it verifies one draft more to measure a stale pass cost
+    dflash_load::part planned_beside{};
     dflash_adapt_stats stats{};
 
     dflash_adapt(const dflash_costs * costs, int n_max)
-        : costs(costs), n_max(n_max), draft(n_max), slow_hits(n_max, 0.0), slow_seen(n_max, 0.0), lookup(n_max) {}
+        : costs(costs), n_max(n_max), draft(n_max), calibration(n_max), cut(n_max), slow_hits(n_max, 0.0), slow_seen(n_max, 0.0),
+          lookup(n_max) {}
 
     // Beside other sequences a probe's draft step delays their tokens too, and each of them
     // probes: the budget is shared as the step's tokens are.
@@ -391,18 +467,41 @@ struct dflash_adapt {
         return rate(k, p, k == 0 ? 0.0 : draft_cost_at(k, n_limit), others);
     }
 
-    // The k in 0..n_limit with the most tokens per millisecond from the whole pass: the other
-    // sequences' rows, tokens and draft steps are in it too, so a draft pays only if what its
-    // rows add to the shared pass, and its draft step to everyone's step, buys more tokens than
-    // that time would buy the others. Alone (others empty) it is this sequence's own rate.
-    template <typename Acceptance> int best_k(int n_limit, Acceptance p, const dflash_load::part & others) const {
+    // The draft's k as this sequence's draft steps go: with confidences, a step drafting k is
+    // worth what the cut made of such steps (it verifies only what pays), else a step verifying
+    // all k as the position estimates say.
+    double drafted_rate(int k, int n_limit, const dflash_load::part & others) const {
+        const auto p = [this](int j) { return acceptance(j); };
+        if (k == 0 || !confident) {
+            return draft_rate(k, n_limit, p, others);
+        }
+        const double tokens = cut.expected_tokens(k, expected_tokens(k, p));
+        const double pass_ms = costs->next_pass_ms(others.rows + 1 + cut.expected_rows(k));
+        return (others.tokens + tokens) / (others.draft_ms + draft_cost_at(k, n_limit) + pass_ms);
+    }
+
+    // A draft whose every token is kept as often as p says, in drafted_rate's terms.
+    template <typename Acceptance> auto rate_if(int n_limit, Acceptance p, const dflash_load::part & others) const {
+        return [this, n_limit, p, &others](int k) { return draft_rate(k, n_limit, p, others); };
+    }
+
+    auto rate_as_drafted(int n_limit, const dflash_load::part & others) const {
+        return [this, n_limit, &others](int k) { return drafted_rate(k, n_limit, others); };
+    }
+
+    // The k in 0..n_limit with the most tokens per millisecond from the whole pass, rate_of(k)
+    // pricing it: the other sequences' rows, tokens and draft steps are in it too, so a draft
+    // pays only if what its rows add to the shared pass, and its draft step to everyone's step,
+    // buys more tokens than that time would buy the others. Alone (others empty) it is this
+    // sequence's own rate.
+    template <typename Rate> int best_k(int n_limit, Rate rate_of) const {
         if (costs->scale_ms <= 0.0) {
             return n_limit;  // nothing measured yet: speculate, which measures
         }
         int best = 0;
-        double best_rate = draft_rate(0, n_limit, p, others);
+        double best_rate = rate_of(0);
         for (int k = 1; k <= n_limit; ++k) {
-            const double r = draft_rate(k, n_limit, p, others);
+            const double r = rate_of(k);
             if (r > best_rate) {
                 best = k;
                 best_rate = r;
@@ -417,10 +516,9 @@ struct dflash_adapt {
         if (costs->scale_ms <= 0.0) {
             return 0;
         }
-        const auto pd = [this](int j) { return acceptance(j); };
         const auto pl = [this](int j) { return lookup.acceptance(j); };
         int best = 0;
-        double best_rate = draft_rate(draftless ? 0 : best_k(n_limit, pd, others), n_limit, pd, others);
+        double best_rate = drafted_rate(draftless ? 0 : best_k(n_limit, rate_as_drafted(n_limit, others)), n_limit, others);
         for (int k = 1; k <= std::min(n_limit, n_offered); ++k) {
             const double r = rate(k, pl, 0.0, others);
             if (r > best_rate) {
@@ -442,6 +540,13 @@ struct dflash_adapt {
     }
 
     dflash_adapt_plan plan(int n_limit, const dflash_load::part & others) {
+        planned = choose(n_limit, others);
+        planned_beside = others;
+        return planned;
+    }
+
+    dflash_adapt_plan choose(int n_limit, const dflash_load::part & others) {
+        exploring = false;
         n_limit = std::clamp(n_limit, 0, n_max);
         std::vector<llama_token> offer;
         offer.swap(offered);
@@ -453,7 +558,7 @@ struct dflash_adapt {
         }
         if (!offer.empty()) {
             const int k = lookup_k(n_limit, (int) offer.size(), others);
-            pending.push_back({std::move(offer), 0, true});
+            pending.push_back({std::move(offer), 0, true, {}, {}});
             if (k > 0) {
                 // The draft does not run while the lookup wins, so it is probed as at k = 0: a
                 // draft that turns out to pay more (runs longer than the lookup's) takes over.
@@ -469,15 +574,17 @@ struct dflash_adapt {
         if (draftless) {
             return {0, 0, false};
         }
-        const auto p = [this](int j) { return acceptance(j); };
-        int k = best_k(n_limit, p, others);
-        const bool held_by_load = k == 0 && others.rows > 0 && best_k(n_limit, p, dflash_load::part{}) > 0;
+        const dflash_load::part alone{};
+        int k = best_k(n_limit, rate_as_drafted(n_limit, others));
+        const bool held_by_load = k == 0 && others.rows > 0 && best_k(n_limit, rate_as_drafted(n_limit, alone)) > 0;
         if (explore_left > 0) {
             --explore_left;
             k = std::min(k + 1, n_limit);
+            exploring = true;
         } else if (k > 0 && k < n_limit && costs->stale(k + 2)) {
             explore_left = 1;  // this step and the next, whose pass reuses the graph and counts
             k += 1;
+            exploring = true;
         }
         if (k > 0) {
             return {drafted_for(k, n_limit), k, false};
@@ -497,7 +604,7 @@ struct dflash_adapt {
         // the cap on a hit's news, probes that hit kept a held sequence probing every few steps),
         // nor when even a draft kept k_turned_right_p of the time would not pay beside the
         // others' rows. Alone, probing is as before.
-        const int k_if_right = best_k(n_limit, [](int) { return k_turned_right_p; }, others);
+        const int k_if_right = best_k(n_limit, rate_if(n_limit, [](int) { return k_turned_right_p; }, others));
         if (held_by_load || (others.rows > 0 && k_if_right == 0)) {
             return {0, 0, false};
         }
@@ -507,6 +614,7 @@ struct dflash_adapt {
             // calibration taken on a busy machine would keep drafting off for good. This probe
             // verifies one draft instead, for two steps (the second reuses the graph and counts).
             explore_left = 1;
+            exploring = true;
             return {drafted_for(1, n_limit), 1, false};
         }
         stats.n_probes += 1;
@@ -522,7 +630,7 @@ struct dflash_adapt {
         if (turned_right <= fresh_evidence()) {
             return 1;
         }
-        return std::max(1, best_k(n_limit, [](int) { return k_turned_right_p; }, others));
+        return std::max(1, best_k(n_limit, rate_if(n_limit, [](int) { return k_turned_right_p; }, others)));
     }
 
     void observe(const proposal & p, bool kept) {
@@ -539,12 +647,55 @@ struct dflash_adapt {
         slow_hits[j - 1] = k_slow_decay * slow_hits[j - 1] + (kept ? 1.0 : 0.0);
         slow_seen[j - 1] = k_slow_decay * slow_seen[j - 1] + 1.0;
         draft.observe(j, kept);
+        if (!p.confidence.empty()) {
+            calibration.observe(j, p.confidence[j - 1], kept);
+            const double predicted = p.predicted[j - 1];
+            const int tenth = std::clamp((int) (predicted * k_confidence_bins), 0, k_confidence_bins - 1);
+            stats.calibration[tenth].n += 1;
+            stats.calibration[tenth].kept += kept;
+            stats.calibration[tenth].predicted += predicted;
+        }
     }
 
-    void proposed(const llama_token * tokens, int n) {
-        if (costs != nullptr && n > 0) {
-            pending.push_back({std::vector<llama_token>(tokens, tokens + std::min(n, n_max)), 0, false});
+    // The draft's proposal for the planned step; returns how many of its tokens the step verifies:
+    // with confidences, the leading part with the most expected tokens per millisecond of the
+    // pass, each token kept as often as its position and confidence have been; else, and when
+    // the step measures a stale pass cost, as planned. The draft step is paid by now whatever the
+    // choice, so only the pass is priced: a step that priced it in would verify rows slower than
+    // plain decoding to spread its cost. A step that verifies the lookup's tokens verifies none
+    // of these.
+    int proposed(const llama_token * tokens, const float * confidence, int n) {
+        n = std::clamp(n, 0, n_max);
+        const int as_planned = planned.lookup ? 0 : std::min((int) planned.n_verify, n);
+        if (costs == nullptr || n == 0) {
+            return as_planned;
         }
+        proposal p{std::vector<llama_token>(tokens, tokens + n), 0, false, {}, {}};
+        int verified = as_planned;
+        if (confidence != nullptr) {
+            p.confidence.assign(confidence, confidence + n);
+            for (int j = 1; j <= n; ++j) {
+                p.predicted.push_back(calibration.acceptance(j, confidence[j - 1], acceptance(j)));
+            }
+            if (!planned.lookup && !exploring && costs->scale_ms > 0.0) {
+                const auto q = [&p](int j) { return p.predicted[j - 1]; };
+                dflash_load::part beside = planned_beside;
+                beside.draft_ms = 0.0;  // every draft step before the pass has run by now
+                double best_rate = 0.0;
+                for (int m = 0; m <= n; ++m) {
+                    const double r = rate(m, q, 0.0, beside);
+                    if (r > best_rate) {
+                        verified = m;
+                        best_rate = r;
+                    }
+                }
+                stats.n_confidence_cut += verified != as_planned;
+                cut.observe(n, expected_tokens(verified, q), verified);
+                confident = true;
+            }
+        }
+        pending.push_back(std::move(p));
+        return verified;
     }
 
     void offer_lookup(const llama_token * tokens, int n) {
@@ -574,6 +725,7 @@ struct dflash_adapt {
         turned_right = fresh_evidence();
         since_probe = 0;
         explore_left = 0;
+        confident = false;
         pending.clear();
         offered.clear();
         stats = {};
@@ -736,7 +888,9 @@ dflash_adapt_plan dflash_adapt_plan_step_in(dflash_adapt * adapt, int n_limit, d
     return p;
 }
 
-void dflash_adapt_proposed(dflash_adapt * adapt, const llama_token * tokens, int n) { adapt->proposed(tokens, n); }
+int dflash_adapt_proposed(dflash_adapt * adapt, const llama_token * tokens, const float * confidence, int n) {
+    return adapt->proposed(tokens, confidence, n);
+}
 
 void dflash_adapt_offer_lookup(dflash_adapt * adapt, const llama_token * tokens, int n) {
     adapt->offer_lookup(tokens, n);

@@ -98,9 +98,13 @@ int dflash_parse_spec_options_named(const char * text, dflash_spec_options * opt
             } else if (key == "lookup") {
                 options->lookup = parse_flag(key, value);
                 seen |= DFLASH_SPEC_LOOKUP;
+            } else if (key == "confidence") {
+                options->confidence = parse_flag(key, value);
+                seen |= DFLASH_SPEC_CONFIDENCE;
             } else {
                 fail("--spec-type dflash: unknown key '%s' (known: n_max, n_min, p_min, cross_ctx, "
-                     "dflash_cross_ctx, full_attention, log_drafts, min_accept, adaptive, lookup)", key.c_str());
+                     "dflash_cross_ctx, full_attention, log_drafts, min_accept, adaptive, lookup, confidence)",
+                     key.c_str());
             }
         }
         if (named != nullptr) {

@@ -253,8 +253,9 @@ void flush_pending(dflash_draft & d, dflash_cache & c);
 // attends both ways within it; where every layer is causal, a row sees no row after it, so the
 // rows past the last head row are left out. The first-maximum argmax of every head row past row
 // 0 goes to tokens_out; the logits leave the backend only when logits_out asks for them
-// (sampling): greedy steps read n_head ids, not n_head x n_vocab floats from a GPU.
+// (sampling): greedy steps read n_head ids, not n_head x n_vocab floats from a GPU. confidence_out,
+// when given, receives each proposed token's probability under its row's softmax over the head.
 void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t start, int head_row0, int n_head,
-              float * logits_out, llama_token * tokens_out);
+              float * logits_out, llama_token * tokens_out, float * confidence_out);
 
 }  // namespace dflash_impl

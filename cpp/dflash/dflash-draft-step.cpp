@@ -281,6 +281,27 @@ void select_tokens(const dflash_draft & d, const std::vector<float> & scored, co
     }
 }
 
+// DFlash2: the probability of each selected token under its row's softmax over the scored logits
+// (the selector's own scores only pick among the top ids), into confidence_out like tokens_out.
+void selected_confidence(const dflash_draft & d, const std::vector<float> & scored, int head_row0, int n_head,
+                         const llama_token * tokens_out, float * confidence_out) {
+    const int n_ids = n_scored(d);
+    for (int j = std::max(1, head_row0); j < head_row0 + n_head; ++j) {
+        const float * logit = scored.data() + (size_t) (j - head_row0) * n_ids;
+        const llama_token token = tokens_out[j - 1];
+        int chosen = token;
+        if (!d.head_ids.empty()) {
+            chosen = (int) (std::lower_bound(d.head_ids.begin(), d.head_ids.end(), token) - d.head_ids.begin());
+        }
+        const float top = *std::max_element(logit, logit + n_ids);
+        double sum = 0.0;
+        for (int i = 0; i < n_ids; ++i) {
+            sum += std::exp((double) (logit[i] - top));
+        }
+        confidence_out[j - 1] = (float) (std::exp((double) (logit[chosen] - top)) / sum);
+    }
+}
+
 // A DFlash2 layer's in-block convolution, stage 0 (on the sublayer's normed input) or 1 (on its
 // output): row t of the result is the sum over taps j of (base[stage][j] + dynamic taps of row t
 // for stage, j and the channel's group) * in[t - j], rows before the block counting as zeros.
@@ -357,14 +378,9 @@ ggml_tensor * convolve_block(const dflash_draft & d, ggml_context * ctx, ggml_te
 
 }  // namespace
 
-// One draft step. The head, which costs more than the layers for a large vocabulary, runs only on
-// block rows head_row0 .. head_row0 + n_head - 1. The layers run the whole block where a layer
-// attends both ways within it; where every layer is causal, a row sees no row after it, so the
-// rows past the last head row are left out. The first-maximum argmax of every head row past row
-// 0 goes to tokens_out; the logits leave the backend only when logits_out asks for them
-// (sampling): greedy steps read n_head ids, not n_head x n_vocab floats from a GPU.
+// One draft step (dflash-draft-state.h).
 void dflash_impl::run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t start, int head_row0,
-                           int n_head, float * logits_out, llama_token * tokens_out) {
+                           int n_head, float * logits_out, llama_token * tokens_out, float * confidence_out) {
     bool all_causal = true;
     for (int il = 0; il < d.n_layer; ++il) {
         all_causal = all_causal && d.rule(il, c.full_attention).causal;
@@ -450,7 +466,7 @@ void dflash_impl::run_step(dflash_draft & d, dflash_cache & c, llama_token first
     }
     // DFlash1: the argmax on the backend. DFlash2: the logits and the rows' hidden projections
     // go to the host's selector.
-    ggml_tensor * ids = nullptr, * projected = nullptr;
+    ggml_tensor * ids = nullptr, * projected = nullptr, * confidence = nullptr;
     if (d.is_dflash2()) {
         projected = ggml_mul_mat(ctx, d.selector_hidden, x);
         ggml_set_output(projected);
@@ -459,6 +475,14 @@ void dflash_impl::run_step(dflash_draft & d, dflash_cache & c, llama_token first
         ids = ggml_argmax(ctx, logits);
         ggml_set_output(ids);
         ggml_build_forward_expand(gf, ids);
+        if (confidence_out) {
+            // each row's probability at its argmax: row r of the softmax, element ids[r]
+            const int64_t n_ids = logits->ne[0];
+            ggml_tensor * probs = ggml_reshape_3d(ctx, ggml_soft_max(ctx, logits), 1, n_ids, n_head);
+            confidence = ggml_get_rows(ctx, probs, ggml_reshape_2d(ctx, ids, 1, n_head));
+            ggml_set_output(confidence);
+            ggml_build_forward_expand(gf, confidence);
+        }
     }
     if (logits_out || d.is_dflash2()) {
         ggml_set_output(logits);
@@ -493,13 +517,23 @@ void dflash_impl::run_step(dflash_draft & d, dflash_cache & c, llama_token first
         std::vector<float> hidden((size_t) n_head * d.selector_rank);
         ggml_backend_tensor_get(projected, hidden.data(), 0, ggml_nbytes(projected));
         select_tokens(d, scored, hidden, head_row0, n_head, first, tokens_out);
+        if (confidence_out) {
+            selected_confidence(d, scored, head_row0, n_head, tokens_out, confidence_out);
+        }
         return;
     }
     std::vector<int32_t> best(n_head);
     ggml_backend_tensor_get(ids, best.data(), 0, ggml_nbytes(ids));
+    std::vector<float> probability(confidence ? n_head : 0);
+    if (confidence) {
+        ggml_backend_tensor_get(confidence, probability.data(), 0, ggml_nbytes(confidence));
+    }
     for (int j = std::max(1, head_row0); j < head_row0 + n_head; ++j) {
         const int32_t i = best[j - head_row0];
         tokens_out[j - 1] = d.head_ids.empty() ? i : d.head_ids[i];
+        if (confidence_out) {
+            confidence_out[j - 1] = probability[j - head_row0];
+        }
     }
 }
 
@@ -520,19 +554,19 @@ int dflash_draft_step(dflash_draft * d, dflash_cache * c, llama_token first_toke
                       llama_token * tokens) {
     return guarded([&]() -> int {
         prepare_step(*d, *c, first_token, start_pos);
-        dflash_impl::run_step(*d, *c, first_token, start_pos, 0, d->block_size, logits, tokens);
+        dflash_impl::run_step(*d, *c, first_token, start_pos, 0, d->block_size, logits, tokens, nullptr);
         return 0;
     }, -1);
 }
 
 int dflash_draft_propose(dflash_draft * d, dflash_cache * c, llama_token first_token, int32_t start_pos, int n,
-                         llama_token * tokens) {
+                         llama_token * tokens, float * confidence) {
     return guarded([&]() -> int {
         prepare_step(*d, *c, first_token, start_pos);
         if (n < 1 || n > d->block_size - 1) {
             fail("draft length %d outside 1..%d", n, d->block_size - 1);
         }
-        dflash_impl::run_step(*d, *c, first_token, start_pos, 1, n, nullptr, tokens);
+        dflash_impl::run_step(*d, *c, first_token, start_pos, 1, n, nullptr, tokens, confidence);
         return 0;
     }, -1);
 }

@@ -264,6 +264,7 @@ struct dflash_engine {
     dflash_commit_callback on_commit = nullptr;
     void * on_commit_data = nullptr;
     const dflash_lookup * lookup = nullptr;  // offered at every adaptive step
+    bool confidence = true;                  // adaptive steps cut drafts by their confidence
 };
 
 // One call of dflash_engine_generate, as the steps of the algorithm: prefill the prompt, then
@@ -285,6 +286,7 @@ struct dflash_engine::generation {
     llama_token t = 0;                // the target's next token, not yet returned
     dflash_impl::sampler::token_logprobs t_info;
     std::vector<llama_token> proposal, verify, looked_up;
+    std::vector<float> confidence;    // the draft's in each proposed token, when the controller cuts by it
     std::vector<dflash_impl::sampler::token_logprobs> row_info;  // of each verification row's sample
 
     using row_logprobs = dflash_impl::sampler::token_logprobs;
@@ -393,29 +395,34 @@ struct dflash_engine::generation {
 
     // This step's proposal: the draft's plan.n_draft tokens after t, or the lookup's tokens (and
     // the draft's then only compared: a probe). The controller compares each with what the target
-    // commits.
-    void propose(const dflash_adapt_plan & plan) {
-        draft(plan.n_draft);
+    // commits. Returns how many of them the step verifies.
+    int propose(const dflash_adapt_plan & plan) {
+        const int n_verify = draft(plan);
         if (plan.lookup) {
             proposal.assign(looked_up.begin(), looked_up.begin() + plan.n_verify);
+            return plan.n_verify;
         }
+        return n_verify;
     }
 
-    void draft(int n) {
+    int draft(const dflash_adapt_plan & plan) {
+        const int n = plan.n_draft;
         proposal.resize(n);
         if (n == 0) {
-            return;
+            return plan.n_verify;
         }
+        const bool confident = e.confidence && !e.adapt_fixed;
+        confidence.resize(confident ? n : 0);
         const double t0 = now_ms();
-        if (dflash_seq_draft(e.seq.get(), t, s, n, proposal.data()) != 0) {
+        if (dflash_seq_draft(e.seq.get(), t, s, n, proposal.data(), confident ? confidence.data() : nullptr) != 0) {
             fail("%s", dflash_last_error());
         }
         const double ms = now_ms() - t0;
         st.t_draft_ms += ms;
-        dflash_adapt_proposed(adapt, proposal.data(), n);
         if (e.costs) {
             dflash_costs_observe_draft(e.costs.get(), n, ms);
         }
+        return dflash_adapt_proposed(adapt, proposal.data(), confident ? confidence.data() : nullptr, n);
     }
 
     // Verify [t, d_1..d_n] at s..s+n in one target pass; keep positions s..s+acc and undo the rest.
@@ -493,8 +500,8 @@ struct dflash_engine::generation {
             const int limit = draft_limit(n_max);
             look_up(limit);
             const dflash_adapt_plan plan = adapt ? dflash_adapt_plan_step(adapt, limit) : dflash_adapt_plan{0, 0, false};
-            propose(plan);
-            if (!emit_accepted(verify_drafts(plan.n_verify, plan.lookup))) {
+            const int n_verify = propose(plan);
+            if (!emit_accepted(verify_drafts(n_verify, plan.lookup))) {
                 break;
             }
         }
@@ -576,6 +583,8 @@ void dflash_engine_set_commit_callback(dflash_engine * engine, dflash_commit_cal
 }
 
 void dflash_engine_set_lookup(dflash_engine * engine, const dflash_lookup * lookup) { engine->lookup = lookup; }
+
+void dflash_engine_set_confidence(dflash_engine * engine, bool on) { engine->confidence = on; }
 
 dflash_sampling dflash_sampling_default(void) {
     dflash_sampling p{};
@@ -713,7 +722,7 @@ int dflash_seq_commit(dflash_seq * seq, const dflash_capture * capture, const in
     }, -1);
 }
 
-int dflash_seq_draft(dflash_seq * seq, llama_token t, llama_pos pos, int n, llama_token * out) {
+int dflash_seq_draft(dflash_seq * seq, llama_token t, llama_pos pos, int n, llama_token * out, float * confidence) {
     if (seq->draft == nullptr) {
         dflash_impl::last_error = "this sequence has no draft";
         return -1;
@@ -723,7 +732,7 @@ int dflash_seq_draft(dflash_seq * seq, llama_token t, llama_pos pos, int n, llam
         dflash_impl::last_error = "draft length " + std::to_string(n) + " outside 0.." + std::to_string(block - 1);
         return -1;
     }
-    return n == 0 ? 0 : dflash_draft_propose(seq->draft, seq->cache, t, pos, n, out);
+    return n == 0 ? 0 : dflash_draft_propose(seq->draft, seq->cache, t, pos, n, out, confidence);
 }
 
 void dflash_seq_save_state(dflash_seq * seq) { seq->save_state(); }

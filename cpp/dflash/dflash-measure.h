@@ -26,8 +26,9 @@ DFLASH_API int dflash_draft_step(dflash_draft * draft, dflash_cache * cache, lla
                                  int32_t start_pos, float * logits, llama_token * tokens);
 // The same step for speculation: tokens receives the argmax of block rows 1..n only (1 <= n <=
 // block_size - 1); the whole block still runs through the layers, but the head only on those rows.
+// confidence (n floats, may be NULL) receives each token's probability under its row's softmax.
 DFLASH_API int dflash_draft_propose(dflash_draft * draft, dflash_cache * cache, llama_token first_token,
-                                    int32_t start_pos, int n, llama_token * tokens);
+                                    int32_t start_pos, int n, llama_token * tokens, float * confidence);
 
 DFLASH_API int    dflash_cache_capacity(const dflash_cache * cache, int il);  // rows kept by layer il
 DFLASH_API int    dflash_cache_n_rows(const dflash_cache * cache, int il);    // rows held now

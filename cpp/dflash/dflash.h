@@ -151,8 +151,10 @@ DFLASH_API dflash_cache * dflash_seq_cache(dflash_seq * seq);
 // Commit rows (indices into the last pass's captured rows) at positions pos0, pos0+1, ...
 DFLASH_API int  dflash_seq_commit(dflash_seq * seq, const dflash_capture * capture, const int32_t * rows, int n_rows,
                                   llama_pos pos0);
-// Propose n tokens (n <= block_size - 1) after token t at position pos. Returns 0 on success.
-DFLASH_API int  dflash_seq_draft(dflash_seq * seq, llama_token t, llama_pos pos, int n, llama_token * out);
+// Propose n tokens (n <= block_size - 1) after token t at position pos, and, when confidence is
+// not NULL, each one's probability under the draft's softmax. Returns 0 on success.
+DFLASH_API int  dflash_seq_draft(dflash_seq * seq, llama_token t, llama_pos pos, int n, llama_token * out,
+                                 float * confidence);
 // Hybrid targets: save this sequence's recurrent state before a verification pass, and put it
 // back after a rejection (then replay the accepted tokens). The copy stays in the state's own
 // memory (the GPU's when offloaded). No-ops for other targets.
@@ -190,11 +192,19 @@ DFLASH_API void dflash_seq_restore_state(const dflash_seq * seq);
 // the step verifies whichever buys the most tokens per millisecond, its k priced the same way with
 // no draft step, and the draft does not run when the lookup wins.
 //
+// Each draft token's confidence (its probability under the draft's softmax) is calibrated against
+// what the target kept, per position and confidence tenth. Once the draft has run, the step
+// verifies the leading part of its proposal with the most expected tokens per millisecond by
+// those calibrated chances: fewer than planned where the draft is unsure, more (up to what it
+// proposed) where it is sure.
+//
 // Usage, per step of a sequence (the draft's cross-context is fed by every target pass anyway):
 //   dflash_adapt_offer_lookup(adapt, lookup_tokens, n);  // optional
 //   plan = dflash_adapt_plan_step(adapt, n_limit);      // n_limit: what block, budget, context allow
-//   if (plan.n_draft > 0) { draft plan.n_draft tokens; dflash_adapt_proposed(adapt, tokens, plan.n_draft); }
-//   verify the first plan.n_verify of them, or of the lookup's when plan.lookup (0: a one-token decode);
+//   n = plan.n_verify;
+//   if (plan.n_draft > 0) { draft plan.n_draft tokens; n = dflash_adapt_proposed(adapt, tokens, conf, plan.n_draft); }
+//   verify the first plan.n_verify of the lookup's tokens when plan.lookup, else the first n drafts
+//   (0: a one-token decode);
 //   dflash_adapt_committed(adapt, plan.n_verify, committed_tokens, n_committed);
 
 #define DFLASH_MAX_VERIFY 63  // the most drafts a step can verify (a block of 64)
@@ -241,6 +251,11 @@ struct dflash_adapt_stats {
     int64_t n_probes;                           // draft steps whose tokens were only compared
     int64_t n_load_plain;                       // one-token decodes that alone would have drafted (load)
     int64_t n_lookup_steps;                     // steps that verified the lookup's tokens
+    int64_t n_confidence_cut;                   // draft steps whose confidence changed how many were verified
+    struct {                                    // the draft's tokens by their calibrated acceptance's tenth:
+        int64_t n, kept;                        // how many were compared, and kept,
+        double  predicted;                      // and the sum of their predicted acceptance
+    } calibration[10];
 };
 
 // costs NULL: a fixed block length (every step verifies n_limit drafts, as without a controller).
@@ -270,8 +285,13 @@ DFLASH_API void dflash_load_free(dflash_load * load);
 DFLASH_API void dflash_load_set(dflash_load * load, int seq, int n_rows, double n_tokens, double draft_ms);
 DFLASH_API struct dflash_adapt_plan dflash_adapt_plan_step_in(dflash_adapt * adapt, int n_limit, dflash_load * load,
                                                               int seq);
-// The tokens the draft proposed for the positions after the current token.
-DFLASH_API void dflash_adapt_proposed(dflash_adapt * adapt, const llama_token * tokens, int n);
+// The tokens the draft proposed for the positions after the current token, and each one's
+// confidence (its probability under the draft's softmax; NULL: none). Returns how many of them the
+// step verifies: plan.n_verify, or with confidences the leading part with the most expected
+// tokens per millisecond, each token expected to be kept as often as the draft's tokens at its
+// position and confidence have been (calibrated as the run goes). 0 after a plan that verifies
+// the lookup's tokens.
+DFLASH_API int  dflash_adapt_proposed(dflash_adapt * adapt, const llama_token * tokens, const float * confidence, int n);
 // A proposal that costs no draft step (the n-gram lookup below) for the positions after the
 // current token, offered before the step is planned. The next plan verifies its first k tokens
 // instead of drafting when that buys the most tokens per millisecond: its acceptance per position
@@ -393,6 +413,9 @@ DFLASH_API void dflash_engine_set_commit_callback(dflash_engine * engine, dflash
 // The lookup the engine's next adaptive generations offer the controller at every step (NULL:
 // none). The caller keeps it alive meanwhile.
 DFLASH_API void dflash_engine_set_lookup(dflash_engine * engine, const dflash_lookup * lookup);
+// Whether the engine's next adaptive generations let each draft token's confidence set how many
+// are verified (dflash_adapt_proposed; default on). Off, the draft computes no confidences.
+DFLASH_API void dflash_engine_set_confidence(dflash_engine * engine, bool on);
 
 // --- command line --------------------------------------------------------------------------------
 
@@ -410,6 +433,7 @@ struct dflash_spec_options {
     float   min_accept;      // ours: stop drafting for a request whose recent acceptance is below this (0: never)
     bool    adaptive;        // ours: each step verifies as many of up to n_max drafts as pay (default on)
     bool    lookup;          // ours: an n-gram lookup proposes beside the draft (default on; adaptive only)
+    bool    confidence;      // ours: each draft token's confidence sets how many are verified (default on; adaptive only)
 };
 
 // Parse the part after "dflash:" into options (fields not named keep their values). Returns 0,
@@ -422,6 +446,7 @@ enum {
     DFLASH_SPEC_N_MAX = 1 << 0, DFLASH_SPEC_N_MIN = 1 << 1, DFLASH_SPEC_P_MIN = 1 << 2,
     DFLASH_SPEC_CROSS_CTX = 1 << 3, DFLASH_SPEC_FULL_ATTENTION = 1 << 4, DFLASH_SPEC_LOG_DRAFTS = 1 << 5,
     DFLASH_SPEC_MIN_ACCEPT = 1 << 6, DFLASH_SPEC_ADAPTIVE = 1 << 7, DFLASH_SPEC_LOOKUP = 1 << 8,
+    DFLASH_SPEC_CONFIDENCE = 1 << 9,
 };
 DFLASH_API int dflash_parse_spec_options_named(const char * text, dflash_spec_options * options, uint32_t * named);
 

@@ -173,12 +173,9 @@ llama_tokens server_context::dflash_draft(server_slot & slot, int n_draft_max_pr
         ? dflash_adapt_plan_step_in(slot.dflash_adapt, n_draft_max_pre, load_dflash, slot.id)
         : dflash_adapt_plan_step(slot.dflash_adapt, n_draft_max_pre);
     llama_tokens draft = dflash_run_draft(slot, plan.n_draft);
-    log_dflash_proposal(slot, "drafts", draft, plan.lookup ? 0 : plan.n_verify);
     if (plan.lookup) {
         draft.assign(looked_up.begin(), looked_up.begin() + plan.n_verify);  // the draft's were a probe
         log_dflash_proposal(slot, "lookup", draft, plan.n_verify);
-    } else if (!draft.empty()) {
-        draft.resize(plan.n_verify);  // a probe's tokens are only compared
     }
     slot.dflash_lookup_step = plan.lookup;
     if (!draft.empty() && llama_model_has_recurrent(model)) {
@@ -203,21 +200,26 @@ void server_context::log_dflash_proposal(const server_slot & slot, const char * 
 }
 
 // The draft's n tokens after the slot's sampled token, compared by the controller with what the
-// target commits (none when the draft step fails).
+// target commits; returns those the step verifies: as many as the controller says, by their
+// confidence where it cuts by it (none when the draft step fails).
 llama_tokens server_context::dflash_run_draft(server_slot & slot, int n) {
     llama_tokens draft(n);
     if (n == 0) {
         return draft;
     }
+    std::vector<float> confidence(costs_dflash && params_base.speculative.dflash_confidence ? n : 0);
+    float * confidence_out = confidence.empty() ? nullptr : confidence.data();
     const int64_t t_start_us = ggml_time_us();
-    if (dflash_seq_draft(slot.dflash, slot.sampled, slot.cache_tokens.pos_next(), n, draft.data()) != 0) {
+    if (dflash_seq_draft(slot.dflash, slot.sampled, slot.cache_tokens.pos_next(), n, draft.data(), confidence_out) != 0) {
         SLT_WRN(slot, "dflash: no draft: %s\n", dflash_last_error());
         return {};
     }
-    dflash_adapt_proposed(slot.dflash_adapt, draft.data(), n);
     if (costs_dflash) {
         dflash_costs_observe_draft(costs_dflash, n, (ggml_time_us() - t_start_us) / 1e3);
     }
+    const int n_verify = dflash_adapt_proposed(slot.dflash_adapt, draft.data(), confidence_out, n);
+    log_dflash_proposal(slot, "drafts", draft, n_verify);
+    draft.resize(n_verify);
     return draft;
 }
 

@@ -48,12 +48,21 @@ class SpeculationStats:
     lookup_drafted: int = 0   # of drafted, the n-gram lookup's tokens (the rest are the draft's)
     lookup_accepted: int = 0  # of accepted, the lookup's
     lookup_steps: int = 0     # steps that verified the lookup's tokens instead of the draft's
+    confidence_cuts: int = 0  # draft steps whose tokens' confidence changed how many were verified
+    calibration: list[tuple[int, int, float]] = field(default_factory=list)
+    """The draft's tokens compared with the target's, by tenth of their calibrated acceptance
+    (0-0.1, ..., 0.9-1): (compared, kept, sum of the predicted acceptance)."""
 
     @property
     def by_proposer(self) -> dict[str, dict[str, int]]:
         """Tokens offered for verification and accepted, by who proposed them."""
         return {"draft": {"drafted": self.drafted - self.lookup_drafted, "accepted": self.accepted - self.lookup_accepted},
                 "lookup": {"drafted": self.lookup_drafted, "accepted": self.lookup_accepted}}
+
+    @property
+    def reliability(self) -> list[tuple[float, float, int]]:
+        """Per tenth of predicted acceptance holding tokens: (mean predicted, share kept, tokens)."""
+        return [(predicted / n, kept / n, n) for n, kept, predicted in self.calibration if n]
 
     @property
     def acceptance(self) -> float:
@@ -212,20 +221,21 @@ class Engine:
 
     @overload
     def speculate(self, prompt: str | Sequence[int], *, stream: Literal[False] = ..., max_tokens: int = ..., n_max: int = ...,
-                  adaptive: bool = ..., lookup: bool = ..., stop: Sequence[str] = ...,
+                  adaptive: bool = ..., lookup: bool = ..., confidence: bool = ..., stop: Sequence[str] = ...,
                   temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
                   repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
                   ) -> SpeculationResult: ...
 
     @overload
     def speculate(self, prompt: str | Sequence[int], *, stream: Literal[True], max_tokens: int = ..., n_max: int = ...,
-                  adaptive: bool = ..., lookup: bool = ..., stop: Sequence[str] = ...,
+                  adaptive: bool = ..., lookup: bool = ..., confidence: bool = ..., stop: Sequence[str] = ...,
                   temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
                   repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
                   ) -> TextStream[SpeculationResult]: ...
 
     def speculate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int | None = None,
-                  adaptive: bool = True, lookup: bool = True, stop: Sequence[str] = (), stream: bool = False,
+                  adaptive: bool = True, lookup: bool = True, confidence: bool = True, stop: Sequence[str] = (),
+                  stream: bool = False,
                   temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
                   min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
                   repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
@@ -237,7 +247,9 @@ class Engine:
         draft position and this machine's pass costs (none when drafting does not pay); False:
         every step verifies n_max. ``lookup``: an n-gram lookup over the prompt and the reply so far
         proposes beside the draft, and a step verifies its tokens instead of drafting when they
-        are expected to pay more (adaptive only; docs/design.md, "N-gram lookup").
+        are expected to pay more (adaptive only; docs/design.md, "N-gram lookup"). ``confidence``:
+        each draft token's confidence, calibrated as the run goes, sets how many of a step's drafts
+        are verified (adaptive only; docs/design.md, "Confidence").
         ``stop``: strings that end the text (not included).
         ``stream=True``: a TextStream of text pieces instead, as stream() returns. The sampling
         keywords are Sampling's."""
@@ -248,7 +260,7 @@ class Engine:
             n_max = rules.n_max(n_max, _core.LOOKUP_MAX_RUN, most_is="what a step verifies without a draft")
         else:
             n_max = rules.n_max(n_max, self.block_size - 1)
-        return self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, stream, adaptive, lookup)
+        return self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, stream, adaptive, lookup, confidence)
 
     @overload
     def generate(self, prompt: str | Sequence[int], *, stream: Literal[False] = ..., max_tokens: int = ..., stop: Sequence[str] = ...,
@@ -274,7 +286,7 @@ class Engine:
     @overload
     def chat(self, messages: Sequence[Mapping[str, str] | tuple[str, str]], *, stream: Literal[False] = ...,
                   max_tokens: int = ..., n_max: int = ...,
-                  adaptive: bool = ..., lookup: bool = ..., stop: Sequence[str] = ...,
+                  adaptive: bool = ..., lookup: bool = ..., confidence: bool = ..., stop: Sequence[str] = ...,
                   temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
                   repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
                   ) -> SpeculationResult: ...
@@ -282,14 +294,14 @@ class Engine:
     @overload
     def chat(self, messages: Sequence[Mapping[str, str] | tuple[str, str]], *, stream: Literal[True],
                   max_tokens: int = ..., n_max: int = ...,
-                  adaptive: bool = ..., lookup: bool = ..., stop: Sequence[str] = ...,
+                  adaptive: bool = ..., lookup: bool = ..., confidence: bool = ..., stop: Sequence[str] = ...,
                   temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
                   repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
                   ) -> TextStream[SpeculationResult]: ...
 
     def chat(self, messages: Sequence[Mapping[str, str] | tuple[str, str]], *, max_tokens: int = 256,
-             n_max: int | None = None, adaptive: bool = True, lookup: bool = True, stop: Sequence[str] = (),
-             stream: bool = False,
+             n_max: int | None = None, adaptive: bool = True, lookup: bool = True, confidence: bool = True,
+             stop: Sequence[str] = (), stream: bool = False,
              temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
              min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
              repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
@@ -300,7 +312,8 @@ class Engine:
         as for stream()."""
         sampling = Sampling.of(locals())
         n_max = rules.n_max(n_max, self.block_size - 1, zero_is_target_alone=True) if self.draft else 0
-        return self._run(self.chat_tokens(messages), max_tokens, n_max, sampling, stop, stream, adaptive, lookup)
+        return self._run(self.chat_tokens(messages), max_tokens, n_max, sampling, stop, stream, adaptive, lookup,
+                         confidence)
 
     def chat_tokens(self, messages: Sequence[Mapping[str, str] | tuple[str, str]]) -> list[int]:
         """The prompt chat() sends: the conversation in the target's template, ready for its reply."""
@@ -312,7 +325,7 @@ class Engine:
         return self.target.tokenize(text, add_special=False, parse_special=True)
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int | None = None,
-               adaptive: bool = True, lookup: bool = True, stop: Sequence[str] = (),
+               adaptive: bool = True, lookup: bool = True, confidence: bool = True, stop: Sequence[str] = (),
                temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
                min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
                repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
@@ -325,16 +338,16 @@ class Engine:
                 raise ValueError("this engine has no draft: stream with n_max=0")
             n_max = 0
         n_max = rules.n_max(n_max, self.block_size - 1, zero_is_target_alone=True)
-        stream = self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, True, adaptive, lookup)
+        stream = self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, True, adaptive, lookup, confidence)
         assert isinstance(stream, TextStream)
         return stream
 
     def _run(self, prompt: str | Sequence[int], max_tokens: int, n_max: int, sampling: Sampling,
-             stop: Sequence[str], stream: bool, adaptive: bool = False,
-             lookup: bool = False) -> SpeculationResult | TextStream[SpeculationResult]:
+             stop: Sequence[str], stream: bool, adaptive: bool = False, lookup: bool = False,
+             confidence: bool = False) -> SpeculationResult | TextStream[SpeculationResult]:
         if self._native is None:
             raise ValueError("the engine is closed")
-        for name, flag in (("adaptive", adaptive), ("lookup", lookup)):
+        for name, flag in (("adaptive", adaptive), ("lookup", lookup), ("confidence", confidence)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         key_size = _core.LOOKUP_KEY_SIZE if lookup and adaptive else 0
@@ -344,7 +357,8 @@ class Engine:
         options = dataclasses.asdict(sampling)
 
         def run(on_commit):
-            return self._native.generate(tokens, max_tokens, n_max, adaptive, key_size, on_commit=on_commit, **options)
+            return self._native.generate(tokens, max_tokens, n_max, adaptive, key_size, confidence, on_commit=on_commit,
+                                         **options)
 
         finish = functools.partial(_result, with_logprobs=sampling.logprobs > 0)
         if stream:
@@ -367,7 +381,8 @@ def _result(native: tuple[list[int], dict[str, Any], list], decoder: TextDecoder
         draft_time=raw["t_draft_ms"] / 1e3, verify_time=raw["t_verify_ms"] / 1e3,
         step_lengths=list(raw["step_lengths"]), steps_by_verified=list(raw["steps_by_verified"]),
         probes=raw["n_probes"], lookup_drafted=raw["n_lookup_drafted"], lookup_accepted=raw["n_lookup_accepted"],
-        lookup_steps=raw["n_lookup_steps"])
+        lookup_steps=raw["n_lookup_steps"], confidence_cuts=raw["n_confidence_cut"],
+        calibration=[tuple(tenth) for tenth in raw["calibration"]])
     reason = "stop" if decoder.stopped is not None else "eos" if raw["end_reason"] == "eog" else "length"
     kept = decoder.kept_tokens
     logprobs = None

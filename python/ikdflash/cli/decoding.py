@@ -17,18 +17,22 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                         help="each step verifies as many drafts as pay on this machine (default); "
                              "--no-adaptive: always --n-max")
-    add_lookup_argument(parser)
+    add_proposal_arguments(parser)
     parser.add_argument("--temperature", type=float, help="0: greedy (default)")
     parser.add_argument("--repeat-penalty", type=float,
                         help="penalty on the last 64 tokens (default 1: off; the built-in pair: 1.1)")
     parser.add_argument("--seed", type=int, help="sampling seed (with --temperature)")
 
 
-def add_lookup_argument(parser: argparse.ArgumentParser) -> None:
-    """--lookup / --no-lookup, for every command that speculates (generate, chat, serve)."""
+def add_proposal_arguments(parser: argparse.ArgumentParser) -> None:
+    """--lookup and --confidence, and their --no- forms, for every command that speculates
+    (generate, chat, serve)."""
     parser.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
                         help="an n-gram lookup over the prompt and the reply proposes beside the draft, verified "
                              "where it pays more (default; adaptive only); --no-lookup: the draft alone")
+    parser.add_argument("--confidence", action=argparse.BooleanOptionalAction, default=True,
+                        help="each draft token's confidence, calibrated against what the target keeps, sets how "
+                             "many of a step's drafts are verified (default; adaptive only)")
 
 
 def check_engine_options(args: argparse.Namespace) -> None:
@@ -49,7 +53,8 @@ def decoding_options(args: argparse.Namespace) -> dict:
     sampling = Sampling(**options)  # the sampling rules
     if "seed" in options:
         options["seed"] = sampling.seed  # -1 drawn once, so that every run of the command shares it
-    return {"n_max": args.n_max, "adaptive": args.adaptive, "lookup": args.lookup, **options}
+    return {"n_max": args.n_max, "adaptive": args.adaptive, "lookup": args.lookup, "confidence": args.confidence,
+            **options}
 
 
 def system_message(args: argparse.Namespace) -> str | None:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from ikdflash import rules
-from ikdflash.cli.decoding import add_lookup_argument
+from ikdflash.cli.decoding import add_proposal_arguments
 from ikdflash.sources.references import HubError, add_model_arguments, resolve_models
 from ikdflash.model import repack_by_default
 from ikdflash.sources.pair import check_pair
@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                         help="each step verifies as many of the --n-max drafts as pay on this machine, none when "
                              "drafting does not pay (default); --no-adaptive: every step verifies --n-max")
-    add_lookup_argument(parser)
+    add_proposal_arguments(parser)
     parser.add_argument("--cross-ctx", type=int, help="context rows the draft keeps (default: the context size)")
     parser.add_argument("--full-attention", action="store_true", help="ignore the draft's sliding windows")
     parser.add_argument("--min-accept", type=float, help="stop drafting for a request whose acceptance over its "
@@ -90,7 +90,7 @@ def say(message: str) -> None:
 def build_server(args: argparse.Namespace) -> Server:
     spec = SpecType(n_max=args.n_max, cross_ctx=args.cross_ctx, full_attention=args.full_attention,
                     min_accept=args.min_accept, adaptive=None if args.adaptive else False,
-                    lookup=None if args.lookup else False)
+                    lookup=None if args.lookup else False, confidence=None if args.confidence else False)
     extra = ["--model-draft", str(args.draft.resolve()), "--spec-type", spec.flag()]
     if args.parallel != 1:
         extra += ["--parallel", str(args.parallel)]
