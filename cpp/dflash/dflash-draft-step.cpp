@@ -281,27 +281,6 @@ void select_tokens(const dflash_draft & d, const std::vector<float> & scored, co
     }
 }
 
-// DFlash2: the probability of each selected token under its row's softmax over the scored logits
-// (the selector's own scores only pick among the top ids), into confidence_out like tokens_out.
-void selected_confidence(const dflash_draft & d, const std::vector<float> & scored, int head_row0, int n_head,
-                         const llama_token * tokens_out, float * confidence_out) {
-    const int n_ids = n_scored(d);
-    for (int j = std::max(1, head_row0); j < head_row0 + n_head; ++j) {
-        const float * logit = scored.data() + (size_t) (j - head_row0) * n_ids;
-        const llama_token token = tokens_out[j - 1];
-        int chosen = token;
-        if (!d.head_ids.empty()) {
-            chosen = (int) (std::lower_bound(d.head_ids.begin(), d.head_ids.end(), token) - d.head_ids.begin());
-        }
-        const float top = *std::max_element(logit, logit + n_ids);
-        double sum = 0.0;
-        for (int i = 0; i < n_ids; ++i) {
-            sum += std::exp((double) (logit[i] - top));
-        }
-        confidence_out[j - 1] = (float) (std::exp((double) (logit[chosen] - top)) / sum);
-    }
-}
-
 // A DFlash2 layer's in-block convolution, stage 0 (on the sublayer's normed input) or 1 (on its
 // output): row t of the result is the sum over taps j of (base[stage][j] + dynamic taps of row t
 // for stage, j and the channel's group) * in[t - j], rows before the block counting as zeros.
@@ -465,24 +444,25 @@ void dflash_impl::run_step(dflash_draft & d, dflash_cache & c, llama_token first
         logits = ggml_scale(ctx, ggml_tanh(ctx, ggml_scale(ctx, logits, 1.0f / d.logit_softcap)), d.logit_softcap);
     }
     // DFlash1: the argmax on the backend. DFlash2: the logits and the rows' hidden projections
-    // go to the host's selector.
-    ggml_tensor * ids = nullptr, * projected = nullptr, * confidence = nullptr;
+    // go to the host's selector. For confidences, each row's softmax at its argmax on the backend
+    // too (row r of the softmax, element ids[r]): a selected token's probability follows from it
+    // and two logits.
+    ggml_tensor * ids = nullptr, * projected = nullptr, * top_probability = nullptr;
     if (d.is_dflash2()) {
         projected = ggml_mul_mat(ctx, d.selector_hidden, x);
         ggml_set_output(projected);
         ggml_build_forward_expand(gf, projected);
-    } else {
+    }
+    if (!d.is_dflash2() || confidence_out) {
         ids = ggml_argmax(ctx, logits);
         ggml_set_output(ids);
         ggml_build_forward_expand(gf, ids);
-        if (confidence_out) {
-            // each row's probability at its argmax: row r of the softmax, element ids[r]
-            const int64_t n_ids = logits->ne[0];
-            ggml_tensor * probs = ggml_reshape_3d(ctx, ggml_soft_max(ctx, logits), 1, n_ids, n_head);
-            confidence = ggml_get_rows(ctx, probs, ggml_reshape_2d(ctx, ids, 1, n_head));
-            ggml_set_output(confidence);
-            ggml_build_forward_expand(gf, confidence);
-        }
+    }
+    if (confidence_out) {
+        ggml_tensor * probs = ggml_reshape_3d(ctx, ggml_soft_max(ctx, logits), 1, logits->ne[0], n_head);
+        top_probability = ggml_get_rows(ctx, probs, ggml_reshape_2d(ctx, ids, 1, n_head));
+        ggml_set_output(top_probability);
+        ggml_build_forward_expand(gf, top_probability);
     }
     if (logits_out || d.is_dflash2()) {
         ggml_set_output(logits);
@@ -513,27 +493,36 @@ void dflash_impl::run_step(dflash_draft & d, dflash_cache & c, llama_token first
     if (logits_out) {
         expand_logits(d, scored, n_head, logits_out);
     }
+    std::vector<int32_t> best(ids ? n_head : 0);  // indices into the scored ids
+    if (ids) {
+        ggml_backend_tensor_get(ids, best.data(), 0, ggml_nbytes(ids));
+    }
     if (d.is_dflash2()) {
         std::vector<float> hidden((size_t) n_head * d.selector_rank);
         ggml_backend_tensor_get(projected, hidden.data(), 0, ggml_nbytes(projected));
         select_tokens(d, scored, hidden, head_row0, n_head, first, tokens_out);
-        if (confidence_out) {
-            selected_confidence(d, scored, head_row0, n_head, tokens_out, confidence_out);
+    } else {
+        for (int j = std::max(1, head_row0); j < head_row0 + n_head; ++j) {
+            const int32_t i = best[j - head_row0];
+            tokens_out[j - 1] = d.head_ids.empty() ? i : d.head_ids[i];
         }
+    }
+    if (!confidence_out) {
         return;
     }
-    std::vector<int32_t> best(n_head);
-    ggml_backend_tensor_get(ids, best.data(), 0, ggml_nbytes(ids));
-    std::vector<float> probability(confidence ? n_head : 0);
-    if (confidence) {
-        ggml_backend_tensor_get(confidence, probability.data(), 0, ggml_nbytes(confidence));
-    }
+    std::vector<float> top(n_head);
+    ggml_backend_tensor_get(top_probability, top.data(), 0, ggml_nbytes(top_probability));
     for (int j = std::max(1, head_row0); j < head_row0 + n_head; ++j) {
-        const int32_t i = best[j - head_row0];
-        tokens_out[j - 1] = d.head_ids.empty() ? i : d.head_ids[i];
-        if (confidence_out) {
-            confidence_out[j - 1] = probability[j - head_row0];
+        const int r = j - head_row0;
+        float p = top[r];
+        if (d.is_dflash2()) {  // the selector may have chosen another id: p(top) * e^(logit - top logit)
+            const float * logit = scored.data() + (size_t) r * n_scored(d);
+            const llama_token token = tokens_out[j - 1];
+            const int chosen = d.head_ids.empty() ? token
+                             : (int) (std::lower_bound(d.head_ids.begin(), d.head_ids.end(), token) - d.head_ids.begin());
+            p *= std::exp(logit[chosen] - logit[best[r]]);
         }
+        confidence_out[j - 1] = p;
     }
 }
 
