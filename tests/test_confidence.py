@@ -99,8 +99,8 @@ def test_the_engine_cuts_by_confidence_losslessly(swa_pairs):
     with Engine(target, draft, n_ctx=512, n_batch=32) as engine:
         prompt = engine.target.tokenize("one two three four five six seven eight " * 8, add_special=False)
         plain = engine.generate(prompt, max_tokens=64).tokens
-        on = engine.speculate(prompt, max_tokens=64, n_max=4, lookup=False)
-        off = engine.speculate(prompt, max_tokens=64, n_max=4, lookup=False, confidence=False)
+        on = engine.speculate(prompt, max_tokens=64, n_max=4, lookup=False, confidence=True)
+        off = engine.speculate(prompt, max_tokens=64, n_max=4, lookup=False)
         with pytest.raises(TypeError, match="confidence must be True or False, got 1"):
             engine.speculate(prompt, max_tokens=4, confidence=1)
     assert on.tokens == off.tokens == plain
@@ -112,15 +112,15 @@ def test_the_engine_cuts_by_confidence_losslessly(swa_pairs):
 
 
 def test_the_server_cuts_by_confidence_losslessly(swa_pairs, tmp_path):
-    """confidence=0 and the default give the target's own replies; the key is the fork's."""
-    assert SpecType(confidence=False).flag() == "dflash:confidence=0"
-    assert SpecType.parse("dflash:confidence=1").confidence is True
+    """confidence=1 and the default (0) give the target's own replies; the key is the fork's."""
+    assert SpecType(confidence=True).flag() == "dflash:confidence=1"
+    assert SpecType.parse("dflash:confidence=0").confidence is False
     target, draft = swa_pairs["llama"]
     request = {"prompt": "one two three four five six seven eight " * 6, "n_predict": 48, "temperature": 0,
                "ignore_eos": True, "cache_prompt": False}
     with Server(target, ctx_size=1024, n_threads=2) as url:
         plain = post_json(url + "/completion", request)["content"]
-    for spec in (SpecType(n_max=4, lookup=False), SpecType(n_max=4, lookup=False, confidence=False)):
+    for spec in (SpecType(n_max=4, lookup=False, confidence=True), SpecType(n_max=4, lookup=False)):
         with Server(target, ctx_size=1024, n_threads=2, log_file=tmp_path / "s.log",
                     extra_args=["--model-draft", str(draft), "--spec-type", spec.flag()]) as url:
             assert post_json(url + "/completion", request)["content"] == plain, spec.flag()

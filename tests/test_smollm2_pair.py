@@ -92,7 +92,7 @@ def test_the_drafts_confidence_is_calibrated_on_held_out_chat(pair):
     table = [[0, 0, 0.0] for _ in range(10)]
     with Engine(pair[0], pair[1], n_ctx=2048, n_threads=2) as engine:
         for prompt in prompts:
-            out = engine.speculate(prompt, max_tokens=128, n_max=4, lookup=False)
+            out = engine.speculate(prompt, max_tokens=128, n_max=4, lookup=False, confidence=True)
             for tenth, counts in zip(table, out.stats.calibration, strict=True):
                 for i, value in enumerate(counts):
                     tenth[i] += value

@@ -17,8 +17,8 @@ Workloads, each generated greedily by one engine per pair, on 2 threads:
 
 For each workload: tokens/s of the target alone, of fixed n_max 1, 2, 3, 4, of the adaptive
 block length with n_max 4 (which may choose any k in 0..4 each step) and the n-gram lookup off,
-so that the draft's own gain is measured, of the same without the confidence cut ("-confidence":
-each step verifies what the controller planned), and of the same with the lookup on ("+lookup",
+so that the draft's own gain is measured, of the same with the confidence cut ("+confidence":
+each draft token's confidence sets how many are verified), and of the same with the lookup on ("+lookup",
 as served by default), each over a whole round of
 the workload's requests and as a ratio to the target alone in the same round, and the adaptive
 mode's ratio to the best fixed choice of its round (k = 0, the target alone, included): medians
@@ -26,8 +26,8 @@ over --repeats rounds. Every output must equal the target alone's (exit 1 otherw
 mode, what its steps cost in the engine (a pass with its layer tap and the draft's row commits,
 and a draft step) as a share of the target alone's one-token pass in the same round (medians):
 the costs controller_replay.py models. And the controller's own cost per step, through Python (an
-upper bound of its C++ cost), against a one-row target pass. And the adaptive mode's draft tokens
-by tenth of their calibrated acceptance, predicted against kept (docs/design.md, "Confidence").
+upper bound of its C++ cost), against a one-row target pass. And the +confidence mode's draft
+tokens by tenth of their calibrated acceptance, predicted against kept (docs/design.md, "Confidence").
 """
 
 from __future__ import annotations
@@ -76,13 +76,13 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
     (the target alone, k = 0, included): medians over rounds. Within a round every request runs in
     every mode back to back, so the machine's drift cancels in the ratios; a mixed workload's
     worth is the whole round's, not a typical request's."""
-    modes = ["alone"] + [f"fixed {k}" for k in FIXED] + ["adaptive", "-confidence", "+lookup"]
+    modes = ["alone"] + [f"fixed {k}" for k in FIXED] + ["adaptive", "+confidence", "+lookup"]
     speeds: dict[str, list[float]] = {m: [] for m in modes}
     ratios: dict[str, list[float]] = {m: [] for m in modes}
     vs_best_fixed: list[float] = []
     lookup_vs_adaptive: list[float] = []  # the lookup's worth: +lookup over adaptive, per round
-    cut_vs_plan: list[float] = []  # the confidence cut's worth: adaptive over -confidence, per round
-    calibration = [[0, 0, 0.0] for _ in range(10)]  # the adaptive mode's, summed over its requests
+    cut_vs_plan: list[float] = []  # the confidence cut's worth: +confidence over adaptive, per round
+    calibration = [[0, 0, 0.0] for _ in range(10)]  # the +confidence mode's, summed over its requests
     plain_share, by_k, probes = [], [0] * 5, 0
     pass_share: dict[str, list[float]] = {m: [] for m in modes}   # a step's target pass / alone's
     draft_share: dict[str, list[float]] = {m: [] for m in modes}  # a step's draft step / alone's pass
@@ -91,7 +91,7 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
     with Engine(target, n_ctx=2048, n_threads=2, repack=repack) as plain, \
             Engine(target, draft, n_ctx=2048, n_threads=2, repack=repack) as fixed, \
             Engine(target, draft, n_ctx=2048, n_threads=2, repack=repack) as adaptive, \
-            Engine(target, draft, n_ctx=2048, n_threads=2, repack=repack) as planned, \
+            Engine(target, draft, n_ctx=2048, n_threads=2, repack=repack) as cut, \
             Engine(target, draft, n_ctx=2048, n_threads=2, repack=repack) as lookup:
         prompts = prompts_of(fixed)
         repacked = plain.target.repacked
@@ -99,7 +99,7 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
             plain.generate(prompt, max_tokens=tokens)
             fixed.speculate(prompt, max_tokens=tokens, n_max=4, adaptive=False)
             adaptive.speculate(prompt, max_tokens=tokens, n_max=4, lookup=False)
-            planned.speculate(prompt, max_tokens=tokens, n_max=4, lookup=False, confidence=False)
+            cut.speculate(prompt, max_tokens=tokens, n_max=4, lookup=False, confidence=True)
             lookup.speculate(prompt, max_tokens=tokens, n_max=4)
         for r in range(repeats):
             generated = dict.fromkeys(modes, 0)
@@ -111,8 +111,8 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
                         **{f"fixed {k}": fixed.speculate(prompt, max_tokens=tokens, n_max=k, adaptive=False)
                            for k in FIXED},
                         "adaptive": adaptive.speculate(prompt, max_tokens=tokens, n_max=4, lookup=False),
-                        "-confidence": planned.speculate(prompt, max_tokens=tokens, n_max=4, lookup=False,
-                                                         confidence=False),
+                        "+confidence": cut.speculate(prompt, max_tokens=tokens, n_max=4, lookup=False,
+                                                     confidence=True),
                         "+lookup": lookup.speculate(prompt, max_tokens=tokens, n_max=4)}
                 for mode, out in outs.items():
                     if out.tokens != alone.tokens:
@@ -126,7 +126,7 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
                 by_k = [a + b for a, b in zip(by_k, st.steps_by_verified, strict=True)]
                 plain_share.append(st.plain_share)
                 probes += st.probes
-                for tenth, counts in zip(calibration, st.calibration, strict=True):
+                for tenth, counts in zip(calibration, outs["+confidence"].stats.calibration, strict=True):
                     for i, value in enumerate(counts):
                         tenth[i] += value
             speed = {m: generated[m] / seconds[m] for m in modes}
@@ -138,7 +138,7 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
                 draft_share[m].append(draft_s[m] / steps[m] / one_row)
             vs_best_fixed.append(speed["adaptive"] / max(speed[m] for m in modes if m.startswith(("alone", "fixed"))))
             lookup_vs_adaptive.append(speed["+lookup"] / speed["adaptive"])
-            cut_vs_plan.append(speed["adaptive"] / speed["-confidence"])
+            cut_vs_plan.append(speed["+confidence"] / speed["adaptive"])
             print(f"  {name}: round {r + 1}/{repeats} done", file=sys.stderr)
     return {"tokens_per_second": {m: statistics.median(v) for m, v in speeds.items()},
             "ratio_to_alone": {m: statistics.median(v) for m, v in ratios.items()},
@@ -209,7 +209,7 @@ def main() -> None:
         r = results[name]
         print(f"{name:>13} | " + " ".join(f"{r['pass_per_step_vs_alone'][m]:>4.2f}+{r['draft_per_step_vs_alone'][m]:.2f}"
                                           for m in modes))
-    print("adaptive / -confidence (rounds); the adaptive mode's draft tokens by predicted acceptance: "
+    print("+confidence / adaptive (rounds); the +confidence mode's draft tokens by predicted acceptance: "
           "predicted -> kept (share of tokens)")
     for name in args.workloads:
         r = results[name]

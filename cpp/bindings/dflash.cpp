@@ -670,7 +670,7 @@ void bind_dflash(py::module_ & m) {
                  sampling.n_probs = logprobs;
                  return engine.generate(prompt, max_tokens, n_max, adaptive, lookup, confidence, sampling, on_commit);
              }, py::arg("prompt"), py::arg("max_tokens"), py::arg("n_max"), py::arg("adaptive") = true,
-             py::arg("lookup") = 0, py::arg("confidence") = true,
+             py::arg("lookup") = 0, py::arg("confidence") = false,
              py::arg("temperature") = 0.0f,
              py::arg("seed") = 0, py::arg("top_k") = 0, py::arg("top_p") = 1.0f, py::arg("min_p") = 0.0f,
              py::arg("repeat_penalty") = 1.0f, py::arg("repeat_last_n") = 64, py::arg("logprobs") = 0,

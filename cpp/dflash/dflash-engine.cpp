@@ -264,7 +264,7 @@ struct dflash_engine {
     dflash_commit_callback on_commit = nullptr;
     void * on_commit_data = nullptr;
     const dflash_lookup * lookup = nullptr;  // offered at every adaptive step
-    bool confidence = true;                  // adaptive steps cut drafts by their confidence
+    bool confidence = false;                 // adaptive steps cut drafts by their confidence
 };
 
 // One call of dflash_engine_generate, as the steps of the algorithm: prefill the prompt, then

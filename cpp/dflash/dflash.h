@@ -414,7 +414,7 @@ DFLASH_API void dflash_engine_set_commit_callback(dflash_engine * engine, dflash
 // none). The caller keeps it alive meanwhile.
 DFLASH_API void dflash_engine_set_lookup(dflash_engine * engine, const dflash_lookup * lookup);
 // Whether the engine's next adaptive generations let each draft token's confidence set how many
-// are verified (dflash_adapt_proposed; default on). Off, the draft computes no confidences.
+// are verified (dflash_adapt_proposed; default off). Off, the draft computes no confidences.
 DFLASH_API void dflash_engine_set_confidence(dflash_engine * engine, bool on);
 
 // --- command line --------------------------------------------------------------------------------
@@ -433,7 +433,7 @@ struct dflash_spec_options {
     float   min_accept;      // ours: stop drafting for a request whose recent acceptance is below this (0: never)
     bool    adaptive;        // ours: each step verifies as many of up to n_max drafts as pay (default on)
     bool    lookup;          // ours: an n-gram lookup proposes beside the draft (default on; adaptive only)
-    bool    confidence;      // ours: each draft token's confidence sets how many are verified (default on; adaptive only)
+    bool    confidence;      // ours: each draft token's confidence sets how many are verified (default off; adaptive only)
 };
 
 // Parse the part after "dflash:" into options (fields not named keep their values). Returns 0,

@@ -234,7 +234,7 @@ class Engine:
                   ) -> TextStream[SpeculationResult]: ...
 
     def speculate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int | None = None,
-                  adaptive: bool = True, lookup: bool = True, confidence: bool = True, stop: Sequence[str] = (),
+                  adaptive: bool = True, lookup: bool = True, confidence: bool = False, stop: Sequence[str] = (),
                   stream: bool = False,
                   temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
                   min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
@@ -249,7 +249,8 @@ class Engine:
         proposes beside the draft, and a step verifies its tokens instead of drafting when they
         are expected to pay more (adaptive only; docs/design.md, "N-gram lookup"). ``confidence``:
         each draft token's confidence, calibrated as the run goes, sets how many of a step's drafts
-        are verified (adaptive only; docs/design.md, "Confidence").
+        are verified (adaptive only; off by default, as it has not paid on a CPU yet;
+        docs/design.md, "Confidence").
         ``stop``: strings that end the text (not included).
         ``stream=True``: a TextStream of text pieces instead, as stream() returns. The sampling
         keywords are Sampling's."""
@@ -300,7 +301,7 @@ class Engine:
                   ) -> TextStream[SpeculationResult]: ...
 
     def chat(self, messages: Sequence[Mapping[str, str] | tuple[str, str]], *, max_tokens: int = 256,
-             n_max: int | None = None, adaptive: bool = True, lookup: bool = True, confidence: bool = True,
+             n_max: int | None = None, adaptive: bool = True, lookup: bool = True, confidence: bool = False,
              stop: Sequence[str] = (), stream: bool = False,
              temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
              min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
@@ -325,7 +326,7 @@ class Engine:
         return self.target.tokenize(text, add_special=False, parse_special=True)
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int | None = None,
-               adaptive: bool = True, lookup: bool = True, confidence: bool = True, stop: Sequence[str] = (),
+               adaptive: bool = True, lookup: bool = True, confidence: bool = False, stop: Sequence[str] = (),
                temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
                min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
                repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,

@@ -30,9 +30,10 @@ def add_proposal_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
                         help="an n-gram lookup over the prompt and the reply proposes beside the draft, verified "
                              "where it pays more (default; adaptive only); --no-lookup: the draft alone")
-    parser.add_argument("--confidence", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--confidence", action=argparse.BooleanOptionalAction, default=False,
                         help="each draft token's confidence, calibrated against what the target keeps, sets how "
-                             "many of a step's drafts are verified (default; adaptive only)")
+                             "many of a step's drafts are verified (adaptive only; default off: it has not paid "
+                             "on a CPU yet)")
 
 
 def check_engine_options(args: argparse.Namespace) -> None:

@@ -16,8 +16,8 @@ from typing import Any
 
 from ikdflash import _core
 
-SWITCHES = ("full_attention", "log_drafts", "adaptive", "lookup", "confidence")  # 0/1 on the command line
-ON_BY_DEFAULT = ("adaptive", "lookup", "confidence")  # in the server: said only when asked for
+SWITCHES = ("full_attention", "log_drafts", "confidence", "adaptive", "lookup")  # 0/1 on the command line
+OFF_BY_DEFAULT = ("full_attention", "log_drafts", "confidence")  # in the server: said only when on
 
 
 class SpecTypeError(ValueError):
@@ -37,7 +37,7 @@ class SpecType:
     min_accept: float | None = None  # stop drafting for a request whose last 16 steps accept less
     adaptive: bool | None = None  # verify as many drafts as pay each step (None: the server's default, on)
     lookup: bool | None = None  # an n-gram lookup proposes beside the draft (None: the server's default, on)
-    confidence: bool | None = None  # drafts' confidence sets how many are verified (None: the server's default, on)
+    confidence: bool = False  # each draft token's confidence sets how many are verified
 
     def __post_init__(self) -> None:
         _parsed(self.flag())  # the server's parser checks every value
@@ -46,8 +46,8 @@ class SpecType:
         """The value of --spec-type."""
         parts = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
                  if f.name not in SWITCHES and getattr(self, f.name) is not None]
-        parts += [f"{name}=1" for name in ("full_attention", "log_drafts") if getattr(self, name)]
-        for name in ON_BY_DEFAULT:
+        parts += [f"{name}=1" for name in OFF_BY_DEFAULT if getattr(self, name)]
+        for name in ("adaptive", "lookup"):  # on by default in the server: said only when asked for
             if getattr(self, name) is not None:
                 parts.append(f"{name}={int(getattr(self, name))}")
         return "dflash" + (":" + ",".join(parts) if parts else "")
