@@ -205,7 +205,7 @@ def test_a_stale_pass_cost_is_measured_again():
     assert set(chosen[-200:]) == {4}, chosen[-200:]
 
 
-STALE_PASSES = 256  # k_stale_passes in dflash-adapt.cpp
+STALE_PASSES = 256  # k_stale_passes in dflash-costs.h
 
 
 def test_a_start_up_calibration_three_times_too_dear_is_corrected_and_drafting_resumes():

@@ -1,23 +1,19 @@
 // The adaptive block length (dflash.h, "adaptive block length"): how many draft tokens a step
 // verifies, or whether it verifies the lookup's tokens instead, chosen from the measured
-// acceptance per position of each and the measured cost of a target pass per row count. Nothing
-// here touches a model but dflash_costs_calibrate.
+// acceptance per position of each and the measured costs of dflash-costs.h. Nothing here touches
+// a model.
 
 #include "dflash.h"
-#include "dflash-measure.h"
+#include "dflash-costs.h"
 #include "dflash-impl.h"
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <deque>
-#include <string>
 #include <vector>
 
 using dflash_impl::fail;
-using dflash_impl::fail_argument;
 using dflash_impl::guarded;
-using dflash_impl::now_ms;
 
 namespace {
 
@@ -59,32 +55,6 @@ constexpr double k_expected_p_cap = 0.5;  // above this a hit is hardly evidence
 // pair, where a plain step is ~6.5 ms, so 46 steps).
 constexpr double k_probe_budget = 0.01;
 constexpr int k_max_probe_interval = 256;
-// A pass of another row count than the pass before rebuilds the target's graph (patch `llama-reuse-the-last-graph-for-a-multi-token-batch-o` reuses
-// it only for the same shape): on SmolLM2's pair +1.0 ms on a 2-row pass after a 1-row one, +0.6
-// ms back, against 6.4 ms for a one-row pass. A change of k pays that once for a run of steps, so
-// the controller charges a k other than the last one this share of it per step: enough that a
-// draft kept about as often as it pays does not flip k at every step, not so much that a stretch
-// where drafting pays is left at k = 0.
-constexpr double k_switch_share = 0.25;
-// Pass costs follow the machine: running averages with these weights, and one observation moves
-// an estimate by at most this factor (a stall of the shared machine is not the new cost).
-constexpr double k_scale_weight = 0.1;
-constexpr double k_shape_weight = 0.05;
-constexpr double k_outlier = 3.0;
-constexpr int k_calibration_rounds = 3;
-// Calibration times every row count up to this many rows (a single sequence's blocks), and past it
-// (several sequences' rows in one pass) every this many, the counts between interpolated: a
-// server's 4 slots of 5 rows would otherwise time 20 passes of up to 20 rows at start-up.
-constexpr int k_calibrated_every_row = 16;
-constexpr int k_calibration_stride = 4;
-// A row count no pass has measured for this many passes is stale: its cost is still the
-// calibration's (or an old one), and a k it makes look dear is never chosen, so never measured
-// again (the always-right pair once sat at k = 3 for 496 steps on a 5-row cost calibrated too
-// high; a server whose start-up calibration met a busy machine never drafted). The controller
-// then verifies one more draft for two steps (at k = 0, its next probe does: the second step
-// reuses the graph and counts), and that measurement replaces the stale estimate (within
-// k_outlier of it).
-constexpr long k_stale_passes = 256;
 // A step verifying k < n_limit drafts has the draft propose one token more every this many steps,
 // so position k + 1 stays measured. Every step did: on the built-in pair a 2-token draft step costs
 // ~0.35 ms more than a 1-token one, 4% of a step at k = 1, which kept the controller at k = 0 where
@@ -105,165 +75,8 @@ constexpr double k_bin_prior_weight = 2.0;
 // What the cut made of recent draft steps of each length (cut_outcomes) follows the last ~20.
 constexpr double k_cut_decay = 0.95;
 
-double clamped(double value, double estimate) {
-    return std::clamp(value, estimate / k_outlier, estimate * k_outlier);
-}
 
 }  // namespace
-
-// The cost of a target pass over r rows is modelled as scale x shape[r] with shape[1] = 1: the
-// scale follows every pass (the context grows, the machine gets busy), the shape of each row count
-// only the passes of that count, so a row count the controller stopped using keeps its ratio to
-// one row instead of a stale absolute time.
-struct dflash_costs {
-    int max_rows = 0;
-    std::vector<double> shape;     // [r], r = 1..max_rows; [0] unused
-    double scale_ms = 0.0;         // t_pass(1); 0 until measured
-    std::vector<double> draft_ms;  // [n]: a draft step proposing n tokens in a run of them; 0 until measured
-    double catch_up_ms = 0.0;      // a draft step after plain passes (a probe); 0 until measured
-    int passes_since_draft = 0;    // target passes observed since the last draft step
-    int rows_since_draft = 0;      // and their rows
-    double switch_ms = 0.0;        // what a pass of another shape than the one before costs more
-    bool frozen = false;           // set by IKDFLASH_COSTS: observations are ignored
-    int last_rows = 0;             // rows of the pass observed before
-    long n_passes = 0;             // passes observed
-    std::vector<long> measured_at; // [r]: n_passes when a pass of r rows last counted
-
-    bool stale(int rows) const {
-        return !frozen && n_passes > 0 && rows >= 1 && rows <= max_rows && n_passes - measured_at[rows] > k_stale_passes;
-    }
-
-    double pass_ms(int rows) const { return scale_ms * shape[std::clamp(rows, 1, max_rows)]; }
-
-    // The next pass's cost if it has `rows` rows: with a share of a graph rebuild where the last
-    // pass had another shape.
-    double next_pass_ms(int rows) const {
-        return pass_ms(rows) + (rows == last_rows ? 0.0 : k_switch_share * switch_ms);
-    }
-
-    // The same for a mean number of rows, between the two whole counts around it.
-    double next_pass_ms(double rows) const {
-        const int below = (int) std::floor(rows);
-        const double above_share = rows - below;
-        return (1.0 - above_share) * next_pass_ms(below) + above_share * next_pass_ms(below + 1);
-    }
-
-    // A step proposing n tokens runs the draft's head on n rows, which for a large vocabulary costs
-    // more than its layers (SmolLM2's pair: 2.1 ms for 1 token, 3.2 ms for 4). A count not yet seen
-    // costs what the nearest larger one seen does (never an underestimate), else the nearest smaller.
-    double draft_cost(int n) const {
-        n = std::clamp(n, 1, (int) draft_ms.size() - 1);
-        for (int m = n; m < (int) draft_ms.size(); ++m) {
-            if (draft_ms[m] > 0.0) {
-                return draft_ms[m];
-            }
-        }
-        for (int m = n - 1; m >= 1; --m) {
-            if (draft_ms[m] > 0.0) {
-                return draft_ms[m];
-            }
-        }
-        return 0.0;
-    }
-
-    // Only a pass of as many rows as the one before counts for the pass costs: the target reuses
-    // its graph for it (patch `llama-reuse-the-last-graph-for-a-multi-token-batch-o`), as in a run of steps verifying the same k; counting passes
-    // that rebuilt the graph made a k the controller seldom chose look dearer than it is, and kept
-    // it seldom chosen. What such a pass costs more goes to switch_ms instead.
-    void observe_pass(int rows, double ms) {
-        const bool same_shape = rows == last_rows;
-        passes_since_draft += 1;
-        rows_since_draft += std::max(rows, 0);
-        last_rows = rows;
-        ++n_passes;
-        if (frozen || rows < 1 || rows > max_rows || !(ms > 0.0)) {
-            return;
-        }
-        if (!same_shape) {
-            if (scale_ms > 0.0) {
-                const double extra = std::clamp(ms - pass_ms(rows), 0.0, pass_ms(rows));
-                switch_ms += k_scale_weight * (extra - switch_ms);
-            }
-            return;
-        }
-        if (scale_ms <= 0.0) {
-            scale_ms = ms / shape[rows];
-            return;
-        }
-        ms = clamped(ms, pass_ms(rows));
-        if (rows > 1 && stale(rows)) {  // the shape is an old guess: the measurement replaces it
-            shape[rows] = ms / scale_ms;
-        } else {
-            scale_ms += k_scale_weight * (ms / shape[rows] - scale_ms);
-            if (rows > 1) {
-                shape[rows] += k_shape_weight * (ms / scale_ms - shape[rows]);
-            }
-        }
-        measured_at[rows] = n_passes;
-    }
-
-    // A draft step first projects the context rows the target added since the one before. After
-    // plain passes (a probe, the first drafting step after k = 0 or after a prompt) that is much of
-    // its time, and not what a step in a run of drafting steps costs (the built-in pair: ~3.0 ms
-    // for a probe ~30 plain steps after the last, ~1.8 ms for a one-token step at k = 1): such a
-    // step's cost goes to catch_up_ms, which prices probes, and not to draft_ms, which prices k.
-    void observe_draft(int n, double ms) {
-        const bool catching_up = passes_since_draft > 1 || rows_since_draft > max_rows;
-        passes_since_draft = 0;
-        rows_since_draft = 0;
-        if (frozen || n < 1 || n >= (int) draft_ms.size() || !(ms > 0.0)) {
-            return;
-        }
-        double & est = catching_up ? catch_up_ms : draft_ms[n];
-        est = est <= 0.0 ? ms : est + k_scale_weight * (clamped(ms, est) - est);
-    }
-
-    // Pass times for 1..max_rows rows: a larger pass is never cheaper than a smaller one.
-    void set_passes(const double * ms) {
-        for (int r = 1; r <= max_rows; ++r) {
-            if (!(ms[r - 1] > 0.0)) {
-                fail("pass time for %d rows must be positive, got %g", r, ms[r - 1]);
-            }
-        }
-        scale_ms = ms[0];
-        for (int r = 1; r <= max_rows; ++r) {
-            shape[r] = std::max(ms[r - 1] / ms[0], shape[r - 1]);
-        }
-    }
-
-    // IKDFLASH_COSTS="draft_ms:pass_ms_1,pass_ms_2,..." (tests): these costs, fixed, instead of
-    // timing this machine, so the controller's choices do not depend on the machine's speed. Row
-    // counts past the list cost what the last one listed does.
-    bool set_from_environment() {
-        const char * text = std::getenv("IKDFLASH_COSTS");
-        if (text == nullptr || *text == '\0') {
-            return false;
-        }
-        // a positive number spanning the whole of `item`, else 0
-        auto positive = [](const std::string & item) {
-            char * end = nullptr;
-            const double v = std::strtod(item.c_str(), &end);
-            return !item.empty() && *end == '\0' && v > 0.0 ? v : 0.0;
-        };
-        const std::string all = text;
-        const size_t colon = all.find(':');
-        const double draft = positive(all.substr(0, colon));
-        std::vector<double> ms;
-        for (size_t at = colon + 1; colon != std::string::npos && at <= all.size();) {
-            const size_t comma = std::min(all.find(',', at), all.size());
-            ms.push_back(positive(all.substr(at, comma - at)));
-            at = comma + 1;
-        }
-        if (draft == 0.0 || ms.empty() || std::find(ms.begin(), ms.end(), 0.0) != ms.end()) {
-            fail_argument("IKDFLASH_COSTS='%s' is not draft_ms:pass_ms_1,pass_ms_2,... (positive numbers)", text);
-        }
-        ms.resize(max_rows, ms.back());
-        set_passes(ms.data());
-        std::fill(draft_ms.begin() + 1, draft_ms.end(), draft);
-        frozen = true;
-        return true;
-    }
-};
 
 // The sequences of one context that share its passes (a server's slots): each one's part of the
 // coming pass, as its controller last planned it (or as its caller set it).
@@ -732,103 +545,6 @@ struct dflash_adapt {
         stats = {};
     }
 };
-
-dflash_costs * dflash_costs_init(int max_rows) {
-    return guarded([&]() -> dflash_costs * {
-        if (max_rows < 1) {
-            fail("a pass has at least 1 row, got max_rows %d", max_rows);
-        }
-        auto c = new dflash_costs();
-        c->max_rows = max_rows;
-        c->shape.assign(max_rows + 1, 1.0);
-        c->draft_ms.assign(max_rows + 1, 0.0);
-        c->measured_at.assign(max_rows + 1, 0);
-        return c;
-    }, (dflash_costs *) nullptr);
-}
-
-void dflash_costs_free(dflash_costs * costs) { delete costs; }
-
-int dflash_costs_set_passes(dflash_costs * costs, const double * pass_ms) {
-    return guarded([&]() -> int {
-        costs->set_passes(pass_ms);
-        return 0;
-    }, -1);
-}
-
-double dflash_now_ms(void) { return dflash_impl::now_ms(); }
-
-int dflash_costs_calibrate(dflash_costs * costs, llama_context * ctx) {
-    return guarded([&]() -> int {
-        if (costs->set_from_environment()) {
-            return 0;
-        }
-        const int max_rows = costs->max_rows;
-        if (max_rows > (int) llama_n_batch(ctx)) {
-            fail("cannot time passes of %d rows with n_batch %d", max_rows, (int) llama_n_batch(ctx));
-        }
-        llama_batch batch = llama_batch_init(max_rows, 0, 1);
-        const std::vector<llama_token> tokens(max_rows, 0);  // any ids: the cost does not depend on them
-        // Passes at position 1, after one cached token (a graph is reused only there), each row
-        // count twice in a row: the second reuses the first's graph, as a run of steps verifying
-        // the same k does, and is the one timed (see observe_pass).
-        auto decode = [&](int rows, llama_pos pos0, bool all_logits) {
-            dflash_impl::fill_seq0_batch(batch, tokens.data(), rows, pos0, all_logits);
-            const int rc = llama_decode(ctx, batch);
-            llama_synchronize(ctx);  // a GPU backend may still be computing
-            llama_kv_cache_seq_rm(ctx, 0, 1, -1);
-            if (rc != 0) {
-                llama_batch_free(batch);
-                llama_kv_cache_clear(ctx);
-                fail("a calibration pass of %d rows failed with code %d", rows, rc);
-            }
-        };
-        auto pass = [&](int rows) {
-            decode(rows, 1, true);
-            const double t0 = now_ms();
-            decode(rows, 1, true);  // as a verification pass
-            return now_ms() - t0;
-        };
-        llama_kv_cache_clear(ctx);
-        decode(1, 0, false);
-        pass(1);  // the first passes page weights in and plan buffers
-        std::vector<int> timed;
-        for (int r = 1; r <= max_rows; r += r < k_calibrated_every_row ? 1 : k_calibration_stride) {
-            timed.push_back(r);
-        }
-        if (timed.back() != max_rows) {
-            timed.push_back(max_rows);
-        }
-        // rounds over every row count, so a slow moment of the machine spreads over all of them
-        std::vector<double> best(max_rows, 0.0);
-        for (int round = 0; round < k_calibration_rounds; ++round) {
-            for (int r : timed) {
-                const double ms = pass(r);
-                best[r - 1] = round == 0 ? ms : std::min(best[r - 1], ms);
-            }
-        }
-        llama_batch_free(batch);
-        llama_kv_cache_clear(ctx);
-        for (size_t i = 1; i < timed.size(); ++i) {  // the counts between two timed ones: on the line
-            const int lo = timed[i - 1], hi = timed[i];
-            for (int r = lo + 1; r < hi; ++r) {
-                best[r - 1] = best[lo - 1] + (best[hi - 1] - best[lo - 1]) * (r - lo) / (hi - lo);
-            }
-        }
-        costs->set_passes(best.data());
-        return 0;
-    }, -1);
-}
-
-void dflash_costs_observe_pass(dflash_costs * costs, int n_rows, double ms) { costs->observe_pass(n_rows, ms); }
-
-void dflash_costs_observe_draft(dflash_costs * costs, int n_tokens, double ms) { costs->observe_draft(n_tokens, ms); }
-
-double dflash_costs_pass_ms(const dflash_costs * costs, int n_rows) { return costs->pass_ms(n_rows); }
-
-double dflash_costs_draft_ms(const dflash_costs * costs, int n_tokens) { return costs->draft_cost(n_tokens); }
-
-int dflash_costs_max_rows(const dflash_costs * costs) { return costs->max_rows; }
 
 dflash_adapt * dflash_adapt_init(const dflash_costs * costs, int n_max) {
     return guarded([&]() -> dflash_adapt * {
