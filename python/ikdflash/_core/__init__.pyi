@@ -91,6 +91,8 @@ class CrossContext:
     def propose(self, first_token: int, start: int, n: int) -> list[int]:
         """The speculative loop's step: the argmax of block rows 1..n (the head on those rows only;
         an all-causal draft computes no row past n)."""
+    def propose_with_confidence(self, first_token: int, start: int, n: int) -> tuple[list[int], list[float]]:
+        """The same, and each token's probability under its row's softmax."""
 
 class BlockController:
     """The adaptive block length's controller (dflash_adapt) on pass costs given, with no model:
@@ -107,7 +109,9 @@ class BlockController:
                      others: tuple[int, float, float] | None = None) -> tuple[int, int, bool]:
         """The same with the lookup's offer for the step (dflash_adapt_offer_lookup): (tokens the
         draft proposes, of which verified, whether the step verifies the lookup's tokens instead)."""
-    def proposed(self, tokens: list[int]) -> None: ...
+    def proposed(self, tokens: list[int], confidence: list[float] | None = None) -> int:
+        """The draft's tokens for the planned step, with their confidences or None: how many of
+        them the step verifies (dflash_adapt_proposed)."""
     def committed(self, n_verified: int, tokens: list[int]) -> None: ...
     def reset(self) -> None: ...
     def observe_pass(self, n_rows: int, ms: float) -> None:
@@ -122,20 +126,22 @@ class BlockController:
         lookup: of the lookup's token j."""
     def stats(self) -> dict[str, Any]:
         """steps_by_verified (0..n_max), n_probes, n_load_plain (one-token decodes that alone
-        would have drafted) and n_lookup_steps since the last reset."""
+        would have drafted), n_lookup_steps, n_confidence_cut and calibration (per tenth of
+        predicted acceptance: compared, kept, sum of predictions) since the last reset."""
 
 class Engine:
     """The speculative loop on a target Model (draft None: the target alone)."""
 
     def __init__(self, target: Model, draft: Draft | None, cross_ctx: int, full_attention: bool = False) -> None: ...
     def generate(self, prompt: list[int], max_tokens: int, n_max: int, adaptive: bool = True, lookup: int = 0,
-                 temperature: float = 0.0, seed: int = 0,
+                 confidence: bool = False, temperature: float = 0.0, seed: int = 0,
                  top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0,
                  repeat_last_n: int = 64, logprobs: int = 0,
                  on_commit: Callable[[list[int]], bool | None] | None = None,
                  ) -> tuple[list[int], dict[str, Any], list[tuple[float, list[tuple[int, float]]]]]:
         """Tokens, statistics (end_reason: "length", "eog", "context" or "caller") and, with
         logprobs > 0, each token's (log-probability, [(token, log-probability)] of the logprobs
-        most likely). lookup: the n-gram lookup's key length (0: no lookup). on_commit gets each
+        most likely). lookup: the n-gram lookup's key length (0: no lookup); confidence: draft
+        tokens' confidences set how many are verified (adaptive only). on_commit gets each
         step's committed tokens; a falsy result other than None stops the generation."""
     def close(self) -> None: ...
