@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -71,6 +72,13 @@ def test_rpc_misuse_is_refused(swa_pairs, tmp_path, capsys):
     with rpc_worker(port, tmp_path / "w.log"):
         assert main(["rpc-worker", "--port", str(port)]) == 2
         assert "already in use" in capsys.readouterr().err
+        # a worker serving one client, its accept queue full (Linux holds backlog + 1), answers no
+        # new connection: it is still found
+        with contextlib.ExitStack() as clients:
+            for _ in range(3):
+                clients.enter_context(socket.create_connection(("127.0.0.1", port), timeout=5))
+            assert main(["rpc-worker", "--port", str(port)]) == 2
+            assert "already in use" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["--port", "0"], ["--threads", "0"]])

@@ -15,6 +15,7 @@ worker failed, 2 for bad input.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import subprocess
@@ -22,7 +23,7 @@ import sys
 import time
 
 from ikdflash.serving.fork import server_binary
-from ikdflash.serving.server import end_with, is_loopback, port_in_use
+from ikdflash.serving.server import bind_error, end_with, is_loopback, port_in_use
 
 DEFAULT_PORT = 50052
 
@@ -42,11 +43,18 @@ def command(host: str, port: int, threads: int | None) -> list[str]:
     return cmd + (["--threads", str(threads)] if threads else [])
 
 
+def port_taken(host: str, port: int) -> bool:
+    """Whether a worker (or anything) holds the port. rpc-server's listen backlog is one, so while it
+    serves a client a connection can go unanswered: its own bind's refusal is asked as well."""
+    refusal = bind_error(host, port, share_port=False)
+    return (refusal is not None and refusal.errno == errno.EADDRINUSE) or port_in_use(host, port)
+
+
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536 or (args.threads is not None and args.threads < 1):
         say("error: --port must be 1-65535 and --threads at least 1")
         return 2
-    if port_in_use(args.host, args.port):
+    if port_taken(args.host, args.port):
         say(f"error: {args.host}:{args.port} is already in use (another worker?); choose another --port")
         return 2
     if not is_loopback(args.host):

@@ -146,12 +146,14 @@ def _reachable(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
 
 
-def bind_error(host: str, port: int) -> OSError | None:
+def bind_error(host: str, port: int, share_port: bool = True) -> OSError | None:
     """The error a bind as llama-server's (SO_REUSEPORT, where there is one) gets now, if any: once
-    the server has exited during start-up, why it could not listen."""
+    the server has exited during start-up, why it could not listen. share_port=False binds as
+    ggml's rpc-server does (SO_REUSEADDR only), which a listening socket refuses."""
     family = socket.AF_INET6 if ":" in _reachable(host) else socket.AF_INET
+    option = getattr(socket, "SO_REUSEPORT", socket.SO_REUSEADDR) if share_port else socket.SO_REUSEADDR
     with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_REUSEPORT", socket.SO_REUSEADDR), 1)
+        sock.setsockopt(socket.SOL_SOCKET, option, 1)
         try:
             sock.bind((host.strip("[]"), port))
         except OSError as e:
