@@ -63,3 +63,76 @@ class ReferenceDraft:
                 use_cache=False,
             )
         return hidden
+
+
+class ReferenceDspark:
+    """speculators 0.9.0's DSparkDraftModel on a speculators checkpoint: its backbone on one block
+    (eager attention, the anchor-block mask it trains with), then greedy drafting left to right with
+    its Markov head, and its confidence head on each proposing row."""
+
+    def __init__(self, draft_dir: Path, hf_target: Path) -> None:
+        import json
+        import os
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the config names a verifier it would look up
+        import warnings
+
+        import torch
+
+        with warnings.catch_warnings():  # speculators' imports use torch APIs torch deprecates
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
+
+        self.torch = torch
+        config = DSparkSpeculatorConfig(**json.loads((Path(draft_dir) / "config.json").read_text()))
+        config.transformer_layer_config._attn_implementation = "eager"
+        self.model = DSparkDraftModel(config).eval()
+        weights = {k: torch.from_numpy(v) for k, v in read_tensors(draft_dir).items()}
+        target = read_tensors(hf_target)
+        head = torch.from_numpy(target["lm_head.weight"])
+        weights |= {"embed_tokens.weight": torch.from_numpy(target["model.embed_tokens.weight"]),
+                    "lm_head.weight": head, "verifier_lm_head.weight": head}
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        assert not unexpected and set(missing) <= {"verifier_norm.weight"}, (missing, unexpected)
+
+    @property
+    def block_size(self) -> int:
+        return self.model.block_size
+
+    def draft(self, features: np.ndarray, first_token: int, start: int, head_ids: list[int] | None = None):
+        """(every block row's logits with the Markov bias, the proposals, their confidences or
+        None) for the block at start, context rows at start-n..start-1; head_ids: the proposals
+        are the best of these ids only."""
+        torch, model = self.torch, self.model
+        n_ctx, block = features.shape[0], self.block_size
+        length = n_ctx + block + 1  # the anchor at n_ctx; anchors are drawn before the last block
+        hidden_states = torch.zeros(1, length, features.shape[1])
+        hidden_states[0, :n_ctx] = torch.from_numpy(features)
+        input_ids = torch.zeros(1, length, dtype=torch.long)
+        input_ids[0, n_ctx] = first_token
+        loss_mask = torch.zeros(1, length)
+        loss_mask[0, n_ctx] = 1  # the only anchor
+        with torch.inference_mode():
+            hidden, logits, _, _, _ = model._backbone_forward(
+                hidden_states, input_ids, loss_mask, torch.zeros(1, length, model.hidden_size),
+                torch.zeros(1, length, dtype=torch.long),
+                torch.arange(start - n_ctx, start - n_ctx + length)[None], max_anchors=1)
+            first_proposing = 0 if model.config.sample_from_anchor else 1
+            previous, rows, tokens, confidence = first_token, [], [], []
+            for k in range(block):
+                row, w1_row = logits[0, k], None
+                if model.markov_head is not None:
+                    w1_row = model.markov_head.prev_embeddings(torch.tensor([[previous]]))
+                    row = row + model.markov_head.block_bias(prev_token_ids=torch.tensor([[previous]]),
+                                                             hidden_states=hidden[:, k:k + 1], prev_emb=w1_row)[0, 0]
+                rows.append(row.numpy())
+                if k < first_proposing:
+                    continue
+                previous = int(row.argmax()) if head_ids is None else head_ids[int(row[head_ids].argmax())]
+                tokens.append(previous)
+                if model.confidence_head is not None:
+                    features_k = hidden[0, k]
+                    if model.config.confidence_head_with_markov:
+                        features_k = torch.cat([features_k, w1_row[0, 0]])
+                    confidence.append(float(torch.sigmoid(model.confidence_head(features_k))))
+        return np.stack(rows), tokens, confidence or None

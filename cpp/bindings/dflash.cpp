@@ -13,6 +13,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <array>
 #include <memory>
 #include <optional>
 
@@ -82,6 +83,7 @@ public:
         out["device"] = dflash_draft_device(draft_);
         out["n_layer"] = dflash_draft_n_layer(draft_);
         out["block_size"] = dflash_draft_block_size(draft_);
+        out["max_proposal"] = dflash_draft_max_proposal(draft_);
         out["mask_token"] = dflash_draft_mask_token(draft_);
         out["sliding_window"] = dflash_draft_sliding_window(draft_);
         py::list sliding, causal, ids;
@@ -98,16 +100,22 @@ public:
         out["n_target_features"] = dflash_draft_n_target_features(draft_);
         out["n_head_tokens"] = dflash_draft_n_head_tokens(draft_);
         out["graph_computes"] = dflash_draft_n_graph_computes(draft_);
-        int32_t settings[4];
-        if (dflash_draft_dflash2_settings(draft_, settings)) {
-            py::dict dflash2;
-            const char * names[] = {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"};
-            for (int i = 0; i < 4; ++i) {
-                dflash2[names[i]] = settings[i];
-            }
-            out["dflash2"] = dflash2;
-        } else {
-            out["dflash2"] = py::none();
+        out["dflash2"] = settings(dflash_draft_dflash2_settings,
+                                  {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"});
+        out["dspark"] = settings(dflash_draft_dspark_settings,
+                                 {"markov_rank", "confidence_width", "anchor_first", "window_from_block"});
+        return out;
+    }
+
+    // A family's four settings by name, or None where the draft is not of that family.
+    py::object settings(bool (*read)(const dflash_draft *, int32_t[4]), std::array<const char *, 4> names) const {
+        int32_t values[4];
+        if (!read(draft_, values)) {
+            return py::none();
+        }
+        py::dict out;
+        for (int i = 0; i < 4; ++i) {
+            out[names[i]] = values[i];
         }
         return out;
     }
@@ -234,19 +242,19 @@ public:
         return out;
     }
 
-    // One draft step on [first_token, mask, ...] at start: every block row's logits, and the argmax
-    // of rows 1.. (the proposals).
+    // One draft step on [first_token, mask, ...] at start: every block row's logits, and the
+    // proposals of every proposing row (rows 1.., or 0.. for an anchor-first draft).
     py::tuple step(int first_token, int start) {
         dflash_draft * d = draft_.raw();
         const int block = dflash_draft_block_size(d);
         py::array_t<float> logits({block, draft_.n_vocab()});
-        std::vector<llama_token> tokens(block - 1);
+        std::vector<llama_token> tokens(dflash_draft_max_proposal(d));
         float * out = logits.mutable_data();
         check(draft_.exclusive([&] { return dflash_draft_step(d, cache_, first_token, start, out, tokens.data()); }));
         return py::make_tuple(logits, tokens);
     }
 
-    // The speculative loop's step: the argmax of block rows 1..n only.
+    // The speculative loop's step: the first n proposals only.
     std::vector<llama_token> propose(int first_token, int start, int n) {
         std::vector<llama_token> tokens(std::max(n, 0));
         check(draft_.exclusive([&] {

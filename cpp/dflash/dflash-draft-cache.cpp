@@ -30,9 +30,11 @@ dflash_cache * dflash_cache_init(dflash_draft * d, int cross_ctx, bool full_atte
         const int kv_dim = d->head_dim * d->n_head_kv;
         for (int il = 0; il < d->n_layer; ++il) {
             dflash_cache_layer cl;
-            // block row 0 is the oldest query: it sees window - 1 context rows at most
+            // block row 0 is the oldest query: it sees window - 1 context rows at most (window
+            // rows where the window is the block's)
             const bool sliding = d->rule(il, full_attention).sliding;
-            cl.capacity = sliding ? std::min(cross_ctx, std::max(0, d->window - 1)) : cross_ctx;
+            const int seen = d->window_from_block ? d->window : d->window - 1;
+            cl.capacity = sliding ? std::min(cross_ctx, std::max(0, seen)) : cross_ctx;
             // spare rows after the ring: a step's block and the padding (see run_step)
             const int rows = cl.capacity + d->block_size + k_kv_pad;
             cl.k = ggml_new_tensor_2d(c->ctx, GGML_TYPE_F32, kv_dim, rows);

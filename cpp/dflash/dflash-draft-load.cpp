@@ -185,6 +185,14 @@ constexpr const char * k_tensor_conv_proj = "conv_proj.weight";
 constexpr const char * k_tensor_selector_hidden = "selector_hidden.weight";
 constexpr const char * k_tensor_selector_predecessor = "selector_predecessor.weight";
 constexpr const char * k_tensor_selector_successor = "selector_successor.weight";
+// DSpark's (ik_llama.cpp's names; the key as llama.cpp writes it in the flat layout, under
+// "dflash." in ik_llama.cpp's)
+constexpr const char * k_key_sample_from_anchor = "sample_from_anchor";
+constexpr const char * k_tensor_markov_w1 = "markov_w1.weight";
+constexpr const char * k_tensor_markov_w2 = "markov_w2.weight";
+constexpr const char * k_tensor_confidence_w = "conf_proj.weight";
+constexpr const char * k_tensor_confidence_b = "conf_proj.bias";
+constexpr int k_dspark_nodes_per_row = 10;
 const draft_format k_formats[] = {
     {"dflash-draft", "dflash_fc.weight", "dflash_hidden_norm.weight", "post_attention_norm",
      "dflash.input_embedding_scale", "dflash.output_multiplier"},
@@ -215,6 +223,17 @@ void read_dflash2_hparams(dflash_draft & d, const gguf_meta & m) {
              d.conv_group, d.n_embd);
     }
     d.graph_nodes += d.n_layer * 4 * d.conv_taps * k_conv_nodes_per_tap;
+}
+
+// DSpark's layout keys; its heads are told by their tensors (bind_dspark_tensors). A file with a
+// Markov head and no sample_from_anchor key is anchor-first, as DSpark drafts are by default.
+void read_dspark_hparams(dflash_draft & d, const gguf_meta & m) {
+    const std::string anchor_key = m.prefix + (d.format == &k_formats[0] ? "dflash." : "") + k_key_sample_from_anchor;
+    const int anchor_id = m.find(anchor_key);
+    d.anchor_first = anchor_id >= 0 ? m.flag(anchor_id, anchor_key) : gguf_find_tensor(m.ctx, k_tensor_markov_w1) >= 0;
+    const std::string window_key = m.prefix + "dflash.window_from_block";
+    const int window_id = m.find(window_key);
+    d.window_from_block = window_id >= 0 && m.flag(window_id, window_key);
 }
 
 void read_hparams(dflash_draft & d, const gguf_meta & m) {
@@ -306,6 +325,7 @@ void read_hparams(dflash_draft & d, const gguf_meta & m) {
         d.causal.push_back(causal_id >= 0 ? m.flag(causal_id, causal_key) : (bool) d.sliding[il]);
     }
     read_dflash2_hparams(d, m);
+    read_dspark_hparams(d, m);
     d.embedding_scale = m.real(p + d.format->embedding_scale, 1.0f);
     d.output_multiplier = m.real(p + d.format->output_multiplier, 1.0f);
     d.logit_softcap = m.real(p + "dflash.final_logit_softcapping", m.real(p + "final_logit_softcapping", 0.0f, 0.0f),
@@ -377,6 +397,54 @@ void bind_dflash2_tensors(dflash_draft & d, std::map<std::string, bool> & claime
     }
 }
 
+// DSpark's heads: W1 and W2 of one rank (W2 scores the whole vocabulary; the head cut applies to
+// it as to the head), and a confidence head over the hidden state, or over it and W1's row.
+void bind_dspark_tensors(dflash_draft & d, std::map<std::string, bool> & claimed) {
+    ggml_context * ctx = d.ctx_w;
+    const ggml_tensor * w1 = ggml_get_tensor(ctx, k_tensor_markov_w1);
+    const ggml_tensor * w2 = ggml_get_tensor(ctx, k_tensor_markov_w2);
+    if ((w1 == nullptr) != (w2 == nullptr)) {
+        fail("tensor '%s' has no '%s': a Markov head needs both", w1 ? k_tensor_markov_w1 : k_tensor_markov_w2,
+             w1 ? k_tensor_markov_w2 : k_tensor_markov_w1);
+    }
+    if (w1 != nullptr) {
+        d.markov_rank = (int) w1->ne[0];
+        if (d.markov_rank < 1 || d.markov_rank > k_max_width) {
+            fail("tensor '%s' has rank %d, outside 1..%lld", k_tensor_markov_w1, d.markov_rank, (long long) k_max_width);
+        }
+        if (w2->ne[0] != d.markov_rank) {
+            fail("tensor '%s' has rank %lld but '%s' has rank %d: the Markov head's factors must agree",
+                 k_tensor_markov_w2, (long long) w2->ne[0], k_tensor_markov_w1, d.markov_rank);
+        }
+        d.markov_prev = expect_tensor(ctx, k_tensor_markov_w1, {d.markov_rank, d.n_vocab}, claimed);
+        d.markov_bias = expect_tensor(ctx, k_tensor_markov_w2, {d.markov_rank, d.n_vocab}, claimed);
+        if (d.markov_rank % ggml_blck_size(d.markov_prev->type) != 0) {
+            fail("tensor '%s' is stored as %s, whose blocks do not fit its rank %d", k_tensor_markov_w1,
+                 ggml_type_name(d.markov_prev->type), d.markov_rank);
+        }
+    }
+    const ggml_tensor * cw = ggml_get_tensor(ctx, k_tensor_confidence_w);
+    if (cw != nullptr) {
+        const int64_t width = cw->ne[0];
+        if (width != d.n_embd && width != (int64_t) d.n_embd + d.markov_rank) {
+            fail("tensor '%s' is %lld wide: expected the embedding width %d%s", k_tensor_confidence_w,
+                 (long long) width, d.n_embd,
+                 d.markov_rank ? (" or it plus the Markov rank, " + std::to_string(d.n_embd + d.markov_rank)).c_str() : "");
+        }
+        d.confidence_w = expect_tensor(ctx, k_tensor_confidence_w, {width, 1}, claimed);
+        d.confidence_b = expect_tensor(ctx, k_tensor_confidence_b, {1}, claimed);
+    } else if (ggml_get_tensor(ctx, k_tensor_confidence_b) != nullptr) {
+        fail("tensor '%s' has no '%s'", k_tensor_confidence_b, k_tensor_confidence_w);
+    }
+    if (d.is_dflash2() && (d.is_dspark() || d.anchor_first)) {
+        fail("the draft has DFlash2's selector and DSpark's %s: not a draft either defines",
+             d.anchor_first ? "anchor-first layout" : "heads");
+    }
+    if (d.is_dspark()) {
+        d.graph_nodes += d.block_size * k_dspark_nodes_per_row;
+    }
+}
+
 void bind_tensors(dflash_draft & d, const llama_model * target) {
     ggml_context * ctx = d.ctx_w;
     std::map<std::string, bool> claimed;
@@ -405,6 +473,7 @@ void bind_tensors(dflash_draft & d, const llama_model * target) {
     if (d.is_dflash2()) {
         bind_dflash2_tensors(d, claimed);
     }
+    bind_dspark_tensors(d, claimed);
     for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
         if (!claimed.count(ggml_get_name(t))) {
             fail("unexpected tensor '%s' (biases and other extras are not supported)", ggml_get_name(t));
@@ -574,32 +643,39 @@ void attach_codebooks(dflash_draft & d) {
     }
 }
 
-// The head cut to head_ids: those rows of the output matrix, copied as stored into a tensor where
-// the draft runs, so each scores exactly what it does in the whole head. Copying rows needs a
-// row-major type: a head repacked at load interleaves its rows.
+// The head cut to head_ids: those rows of the output matrix (and of a DSpark draft's W1 and W2),
+// copied as stored into tensors where the draft runs, so each scores exactly what it does whole.
+// Copying rows needs a row-major type: a head repacked at load interleaves its rows.
 void cut_head(dflash_draft & d) {
-    const ggml_tensor * full = d.output;
-    if (!is_matrix_type(full->type)) {
+    if (!is_matrix_type(d.output->type)) {
         fail("the draft scores %zu of the %d tokens (dflash.head_token_ids), taken from the output matrix, which "
              "is stored as %s, whose rows cannot be taken apart (repacked at load?): load the target without "
              "run-time repacking, or convert the draft without head_token_ids", d.head_ids.size(), d.n_vocab,
-             ggml_type_name(full->type));
+             ggml_type_name(d.output->type));
     }
-    ggml_init_params params = {ggml_tensor_overhead(), nullptr, /*no_alloc=*/true};
+    struct cut { ggml_tensor ** tensor; const ggml_tensor * full; };
+    std::vector<cut> cuts = {{&d.output, d.output}};
+    if (d.markov_rank > 0) {
+        cuts.push_back({&d.markov_prev_scored, d.markov_prev});
+        cuts.push_back({&d.markov_bias, d.markov_bias});
+    }
+    ggml_init_params params = {ggml_tensor_overhead() * cuts.size(), nullptr, /*no_alloc=*/true};
     d.ctx_head = ggml_init(params);
-    ggml_tensor * head = ggml_new_tensor_2d(d.ctx_head, full->type, full->ne[0], (int64_t) d.head_ids.size());
-    ggml_set_name(head, "dflash_head");
+    for (cut & c : cuts) {
+        c.tensor[0] = ggml_new_tensor_2d(d.ctx_head, c.full->type, c.full->ne[0], (int64_t) d.head_ids.size());
+    }
     d.buf_head = ggml_backend_alloc_ctx_tensors_from_buft(d.ctx_head, d.buft);
     if (d.buf_head == nullptr) {
         fail("could not allocate memory for the draft's head (%zu rows)", d.head_ids.size());
     }
-    const size_t row = ggml_row_size(full->type, full->ne[0]);
-    std::vector<uint8_t> rows(row * d.head_ids.size());
-    for (size_t i = 0; i < d.head_ids.size(); ++i) {
-        ggml_backend_tensor_get(full, rows.data() + i * row, (size_t) d.head_ids[i] * full->nb[1], row);
+    for (const cut & c : cuts) {
+        const size_t row = ggml_row_size(c.full->type, c.full->ne[0]);
+        std::vector<uint8_t> rows(row * d.head_ids.size());
+        for (size_t i = 0; i < d.head_ids.size(); ++i) {
+            ggml_backend_tensor_get(c.full, rows.data() + i * row, (size_t) d.head_ids[i] * c.full->nb[1], row);
+        }
+        ggml_backend_tensor_set(c.tensor[0], rows.data(), 0, rows.size());
     }
-    ggml_backend_tensor_set(head, rows.data(), 0, rows.size());
-    d.output = head;
 }
 }  // namespace
 
@@ -645,6 +721,7 @@ std::unique_ptr<dflash_draft> dflash_impl::load_draft(const char * path, const l
     if (d->is_dflash2()) {
         attach_codebooks(*d);
     }
+    d->markov_prev_scored = d->markov_prev;
     if (!d->head_ids.empty()) {
         cut_head(*d);
     }
@@ -677,6 +754,15 @@ dflash_draft * dflash_draft_load(const char * path, const llama_model * target, 
 void dflash_draft_free(dflash_draft * draft) { delete draft; }
 
 int  dflash_draft_block_size(const dflash_draft * d) { return d->block_size; }
+int  dflash_draft_max_proposal(const dflash_draft * d) { return d->max_proposal(); }
+bool dflash_draft_dspark_settings(const dflash_draft * d, int32_t out[4]) {
+    if (!d->is_dspark()) {
+        return false;
+    }
+    out[0] = d->markov_rank, out[1] = d->confidence_w ? (int32_t) d->confidence_w->ne[0] : 0;
+    out[2] = d->anchor_first, out[3] = d->window_from_block;
+    return true;
+}
 int  dflash_draft_mask_token(const dflash_draft * d) { return d->mask_token; }
 int  dflash_draft_n_layer(const dflash_draft * d) { return d->n_layer; }
 int  dflash_draft_sliding_window(const dflash_draft * d) { return d->window; }

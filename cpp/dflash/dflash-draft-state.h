@@ -89,6 +89,18 @@ struct dflash_draft {
     bool is_dflash2() const { return conv_taps > 0; }
     bool conv_as_ops = false;  // the convolutions as standard ggml ops on the CPU too (convolve_block)
     int graph_nodes = dflash_impl::k_max_graph_nodes;  // a step's graph holds at most this many
+    // DSpark (docs/dflash.md): each proposing row's logits get a low-rank bias from the token
+    // before it (markov_rank > 0), and a confidence head predicts whether the target keeps each
+    // proposal. Either makes a draft DSpark.
+    int markov_rank = 0;
+    // Block row 0, the anchor's, proposes too: a pass proposes block_size tokens, not one fewer.
+    bool anchor_first = false;
+    // Sliding layers see the window's context rows before the block's first position, for every
+    // block row alike, rather than a window behind each row.
+    bool window_from_block = false;
+    bool is_dspark() const { return markov_rank > 0 || confidence_w != nullptr; }
+    int first_proposing_row() const { return anchor_first ? 0 : 1; }
+    int max_proposal() const { return block_size - first_proposing_row(); }
 
     // weights (ours), and the target's embedding and head when the draft has none
     ggml_context * ctx_w = nullptr;
@@ -97,12 +109,17 @@ struct dflash_draft {
     ggml_tensor * tok_embd = nullptr, * output = nullptr;
     std::vector<dflash_impl::draft_layer> layers;
     ggml_tensor * selector_hidden = nullptr;  // [n_embd, rank]
+    // DSpark: W1 {markov_rank, n_vocab} (a row per previous token), W1's rows as the head scores
+    // them (the previous row's argmax indexes it), W2 {markov_rank, scored ids}; the confidence
+    // head {n_embd [+ markov_rank], 1} over [hidden; W1 row] and its bias {1}.
+    ggml_tensor * markov_prev = nullptr, * markov_prev_scored = nullptr, * markov_bias = nullptr;
+    ggml_tensor * confidence_w = nullptr, * confidence_b = nullptr;
     dflash_impl::codebook predecessors, successors;
     // The ids the draft's head scores, increasing, when the file names a subset of the vocabulary
     // (dflash.head_token_ids; empty: all of it). The head is then those rows of the output matrix,
     // copied into a tensor of ours at load: a step reads a fraction of the vocabulary's weights.
     std::vector<llama_token> head_ids;
-    ggml_context * ctx_head = nullptr;
+    ggml_context * ctx_head = nullptr;  // the head's rows, and W1's and W2's for a DSpark draft
     ggml_backend_buffer_t buf_head = nullptr;
 
     // Where the weights and cross-contexts live: the accelerator's memory when device is set, else
@@ -131,7 +148,7 @@ struct dflash_draft {
 
     dflash_mask_rule rule(int il, bool full_attention) const {
         const bool is_sliding = sliding[il] && !full_attention;
-        return {is_sliding, full_attention ? false : causal[il], window};
+        return {is_sliding, full_attention ? false : causal[il], window, window_from_block};
     }
 
     ggml_context * graph_context() {
@@ -257,5 +274,18 @@ void flush_pending(dflash_draft & d, dflash_cache & c);
 // when given, receives each proposed token's probability under its row's softmax over the head.
 void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t start, int head_row0, int n_head,
               float * logits_out, llama_token * tokens_out, float * confidence_out);
+
+// dflash-dspark.cpp: a DSpark draft's heads in the step graph.
+struct dspark_outputs {
+    // The head rows' logits: one [scored ids, 1] tensor a row with the Markov bias, or the head's
+    // [scored ids, n_head] as they were without a Markov head.
+    std::vector<ggml_tensor *> rows;
+    ggml_tensor * ids;         // [n_head] I32: each row's best scored index, as the chain chose it
+    ggml_tensor * confidence;  // [1, n_head]: the confidence head's probabilities, or null
+};
+// hidden: the head rows' normed states [n_embd, n_head] (block rows head_row0..); logits: the
+// head's scores of them; anchor: an I32 [1] holding the block's first token.
+dspark_outputs dspark_heads(const dflash_draft & d, ggml_context * ctx, ggml_tensor * hidden, ggml_tensor * logits,
+                            ggml_tensor * anchor, int head_row0);
 
 }  // namespace dflash_impl

@@ -198,10 +198,15 @@ namespace {
 
 int n_scored(const dflash_draft & d) { return d.head_ids.empty() ? d.n_vocab : (int) d.head_ids.size(); }
 
-// The step's logits as the head scores them: n_rows x n_scored floats.
-std::vector<float> read_scored(const dflash_draft & d, ggml_tensor * logits, int n_rows) {
+// The step's logits as the head scores them, n_rows x n_scored floats, from tensors holding
+// consecutive rows.
+std::vector<float> read_scored(const dflash_draft & d, const std::vector<ggml_tensor *> & parts, int n_rows) {
     std::vector<float> scored((size_t) n_rows * n_scored(d));
-    ggml_backend_tensor_get(logits, scored.data(), 0, ggml_nbytes(logits));
+    size_t at = 0;
+    for (ggml_tensor * part : parts) {
+        ggml_backend_tensor_get(part, scored.data() + at, 0, ggml_nbytes(part));
+        at += ggml_nelements(part);
+    }
     return scored;
 }
 
@@ -444,29 +449,49 @@ void dflash_impl::run_step(dflash_draft & d, dflash_cache & c, llama_token first
         logits = ggml_scale(ctx, ggml_tanh(ctx, ggml_scale(ctx, logits, 1.0f / d.logit_softcap)), d.logit_softcap);
     }
     // DFlash1: the argmax on the backend. DFlash2: the logits and the rows' hidden projections
-    // go to the host's selector. For confidences, each row's softmax at its argmax on the backend
-    // too (row r of the softmax, element ids[r]): a selected token's probability follows from it
-    // and two logits.
-    ggml_tensor * ids = nullptr, * projected = nullptr, * top_probability = nullptr;
+    // go to the host's selector. DSpark: the Markov chain's choices and the confidence head on the
+    // backend. For confidences without a confidence head, each row's softmax at its argmax on the
+    // backend too (row r of the softmax, element ids[r]): a selected token's probability follows
+    // from it and two logits.
+    std::vector<ggml_tensor *> scored_rows = {logits};
+    ggml_tensor * ids = nullptr, * projected = nullptr, * confidence = nullptr;
+    if (d.is_dspark()) {
+        const dspark_outputs heads = dspark_heads(d, ctx, x, logits, ggml_view_1d(ctx, inp_tokens, 1, 0), head_row0);
+        scored_rows = heads.rows;
+        ids = heads.ids;
+        confidence = confidence_out ? heads.confidence : nullptr;
+    }
     if (d.is_dflash2()) {
         projected = ggml_mul_mat(ctx, d.selector_hidden, x);
         ggml_set_output(projected);
         ggml_build_forward_expand(gf, projected);
     }
-    if (!d.is_dflash2() || confidence_out) {
+    if (ids == nullptr && (!d.is_dflash2() || confidence_out)) {
         ids = ggml_argmax(ctx, logits);
+    }
+    if (ids != nullptr) {
         ggml_set_output(ids);
         ggml_build_forward_expand(gf, ids);
     }
-    if (confidence_out) {
-        ggml_tensor * probs = ggml_reshape_3d(ctx, ggml_soft_max(ctx, logits), 1, logits->ne[0], n_head);
-        top_probability = ggml_get_rows(ctx, probs, ggml_reshape_2d(ctx, ids, 1, n_head));
-        ggml_set_output(top_probability);
-        ggml_build_forward_expand(gf, top_probability);
+    if (confidence_out && confidence == nullptr) {
+        for (size_t part = 0, r = 0; part < scored_rows.size(); r += scored_rows[part]->ne[1], ++part) {
+            ggml_tensor * rows = scored_rows[part];
+            const int64_t n = rows->ne[1];
+            ggml_tensor * probs = ggml_reshape_3d(ctx, ggml_soft_max(ctx, rows), 1, rows->ne[0], n);
+            ggml_tensor * at = ggml_view_2d(ctx, ids, 1, n, ids->nb[0], r * ids->nb[0]);
+            ggml_tensor * top = ggml_reshape_2d(ctx, ggml_get_rows(ctx, probs, at), 1, n);
+            confidence = confidence ? ggml_concat(ctx, confidence, top, 1) : top;
+        }
+    }
+    if (confidence != nullptr) {
+        ggml_set_output(confidence);
+        ggml_build_forward_expand(gf, confidence);
     }
     if (logits_out || d.is_dflash2()) {
-        ggml_set_output(logits);
-        ggml_build_forward_expand(gf, logits);
+        for (ggml_tensor * rows : scored_rows) {
+            ggml_set_output(rows);
+            ggml_build_forward_expand(gf, rows);
+        }
     }
     d.allocate(d.sched_step, gf);
 
@@ -488,7 +513,7 @@ void dflash_impl::run_step(dflash_draft & d, dflash_cache & c, llama_token first
     d.compute(d.sched_step, gf, "the draft step");
     std::vector<float> scored;
     if (logits_out || d.is_dflash2()) {
-        scored = read_scored(d, logits, n_head);
+        scored = read_scored(d, scored_rows, n_head);
     }
     if (logits_out) {
         expand_logits(d, scored, n_head, logits_out);
@@ -497,32 +522,33 @@ void dflash_impl::run_step(dflash_draft & d, dflash_cache & c, llama_token first
     if (ids) {
         ggml_backend_tensor_get(ids, best.data(), 0, ggml_nbytes(ids));
     }
+    const int row0 = d.first_proposing_row();  // proposal i is block row row0 + i
     if (d.is_dflash2()) {
         std::vector<float> hidden((size_t) n_head * d.selector_rank);
         ggml_backend_tensor_get(projected, hidden.data(), 0, ggml_nbytes(projected));
         select_tokens(d, scored, hidden, head_row0, n_head, first, tokens_out);
     } else {
-        for (int j = std::max(1, head_row0); j < head_row0 + n_head; ++j) {
+        for (int j = std::max(row0, head_row0); j < head_row0 + n_head; ++j) {
             const int32_t i = best[j - head_row0];
-            tokens_out[j - 1] = d.head_ids.empty() ? i : d.head_ids[i];
+            tokens_out[j - row0] = d.head_ids.empty() ? i : d.head_ids[i];
         }
     }
     if (!confidence_out) {
         return;
     }
-    std::vector<float> top(n_head);
-    ggml_backend_tensor_get(top_probability, top.data(), 0, ggml_nbytes(top_probability));
-    for (int j = std::max(1, head_row0); j < head_row0 + n_head; ++j) {
+    std::vector<float> probability(n_head);
+    ggml_backend_tensor_get(confidence, probability.data(), 0, ggml_nbytes(confidence));
+    for (int j = std::max(row0, head_row0); j < head_row0 + n_head; ++j) {
         const int r = j - head_row0;
-        float p = top[r];
+        float p = probability[r];
         if (d.is_dflash2()) {  // the selector may have chosen another id: p(top) * e^(logit - top logit)
             const float * logit = scored.data() + (size_t) r * n_scored(d);
-            const llama_token token = tokens_out[j - 1];
+            const llama_token token = tokens_out[j - row0];
             const int chosen = d.head_ids.empty() ? token
                              : (int) (std::lower_bound(d.head_ids.begin(), d.head_ids.end(), token) - d.head_ids.begin());
             p *= std::exp(logit[chosen] - logit[best[r]]);
         }
-        confidence_out[j - 1] = p;
+        confidence_out[j - row0] = p;
     }
 }
 
@@ -552,10 +578,10 @@ int dflash_draft_propose(dflash_draft * d, dflash_cache * c, llama_token first_t
                          llama_token * tokens, float * confidence) {
     return guarded([&]() -> int {
         prepare_step(*d, *c, first_token, start_pos);
-        if (n < 1 || n > d->block_size - 1) {
-            fail("draft length %d outside 1..%d", n, d->block_size - 1);
+        if (n < 1 || n > d->max_proposal()) {
+            fail("draft length %d outside 1..%d", n, d->max_proposal());
         }
-        dflash_impl::run_step(*d, *c, first_token, start_pos, 1, n, nullptr, tokens, confidence);
+        dflash_impl::run_step(*d, *c, first_token, start_pos, d->first_proposing_row(), n, nullptr, tokens, confidence);
         return 0;
     }, -1);
 }

@@ -224,7 +224,7 @@ struct dflash_engine {
 
     // The most rows a step's pass has: the draft's block, or without a draft the lookup's n_max
     // tokens after the current one.
-    int step_rows(int n_max) const { return draft ? dflash_draft_block_size(draft) : n_max + 1; }
+    int step_rows(int n_max) const { return draft ? dflash_draft_max_proposal(draft) + 1 : n_max + 1; }
 
     // The controller for a generation of n_max drafts a step: fixed, or adaptive on the costs;
     // without a draft, the lookup's (adaptive).
@@ -378,8 +378,8 @@ struct dflash_engine::generation {
     // The most drafts this step may verify: bounded by n_max, the block, the context, and the
     // budget, leaving room for the target's own token so that every step's tokens are all returned.
     int draft_limit(int n_max) const {
-        const int block = e.draft ? dflash_draft_block_size(e.draft) : DFLASH_LOOKUP_MAX_RUN + 1;
-        return std::max(0, std::min({n_max, block - 1, max_tokens - n_out - 1, n_ctx - 2 - s}));
+        const int most = e.draft ? dflash_draft_max_proposal(e.draft) : DFLASH_LOOKUP_MAX_RUN;
+        return std::max(0, std::min({n_max, most, max_tokens - n_out - 1, n_ctx - 2 - s}));
     }
 
     // The lookup's tokens after t, up to limit, offered to the controller for this step's plan.
@@ -542,7 +542,7 @@ int dflash_engine::generate(const llama_token * prompt, int n_prompt, int max_to
     }
     generation g(*this, max_tokens, sampling, out, st, step_lengths, logprobs);
     if (draft != nullptr) {
-        g.adapt = controller(std::min(n_max, dflash_draft_block_size(draft) - 1), adaptive && n_max > 0);
+        g.adapt = controller(std::min(n_max, dflash_draft_max_proposal(draft)), adaptive && n_max > 0);
     } else if (n_max > 0) {
         g.adapt = controller(n_max, true);
     }
@@ -727,9 +727,9 @@ int dflash_seq_draft(dflash_seq * seq, llama_token t, llama_pos pos, int n, llam
         dflash_impl::last_error = "this sequence has no draft";
         return -1;
     }
-    const int block = dflash_draft_block_size(seq->draft);
-    if (n < 0 || n > block - 1) {
-        dflash_impl::last_error = "draft length " + std::to_string(n) + " outside 0.." + std::to_string(block - 1);
+    const int most = dflash_draft_max_proposal(seq->draft);
+    if (n < 0 || n > most) {
+        dflash_impl::last_error = "draft length " + std::to_string(n) + " outside 0.." + std::to_string(most);
         return -1;
     }
     return n == 0 ? 0 : dflash_draft_propose(seq->draft, seq->cache, t, pos, n, out, confidence);

@@ -2,9 +2,12 @@
 
 #include <cmath>
 
-bool dflash_key_visible(const dflash_mask_rule & rule, int32_t qp, int32_t kp) {
+bool dflash_key_visible(const dflash_mask_rule & rule, int32_t qp, int32_t kp, int32_t start) {
     if (rule.causal && kp > qp) {
         return false;
+    }
+    if (rule.sliding && rule.window_from_block) {
+        return kp >= start - rule.window;
     }
     if (rule.sliding) {
         if (qp - kp >= rule.window) {
@@ -39,7 +42,7 @@ void dflash_fill_mask(ggml_fp16_t * mask, const dflash_mask_rule & rule, const i
             bool see = false;
             if (j < n_query && c < n_ctx + n_query) {
                 const int32_t kp = c < n_ctx ? key_pos[c] : start + (c - n_ctx);
-                see = kp >= 0 && dflash_key_visible(rule, qp, kp);  // kp < 0: an empty ring slot
+                see = kp >= 0 && dflash_key_visible(rule, qp, kp, start);  // kp < 0: an empty ring slot
             }
             row[c] = see ? visible : hidden;
         }

@@ -12,10 +12,13 @@ struct dflash_mask_rule {
     bool sliding;  // the layer has a window
     bool causal;   // keys after the query are hidden
     int  window;   // W, used when sliding
+    // The window is the W positions before the block's first, for every block row (speculators'
+    // drafts), not the W up to each query (z-lab's).
+    bool window_from_block = false;
 };
 
-// Whether a query at position qp sees a key at position kp.
-bool dflash_key_visible(const dflash_mask_rule & rule, int32_t qp, int32_t kp);
+// Whether a query at position qp, in a block starting at start, sees a key at position kp.
+bool dflash_key_visible(const dflash_mask_rule & rule, int32_t qp, int32_t kp, int32_t start);
 
 // Rows the flash-attention kernels expect in a mask (n_query padded to GGML_KQ_MASK_PAD), and
 // columns: the key count padded to kv_pad (1 for the soft-max path; 256 for CUDA FA, whose

@@ -20,13 +20,15 @@ DFLASH_API int dflash_cache_append(dflash_draft * draft, dflash_cache * cache,
                                    const float * features, const int32_t * pos, int n_rows);
 
 // One draft step on the block [block[0], mask, ..., mask] (block_size tokens, block[0] at
-// start_pos). logits (block_size x n_vocab floats) may be NULL; tokens receives the argmax of
-// block rows 1..block_size-1 (block_size - 1 ids). Returns 0 on success.
+// start_pos). logits (block_size x n_vocab floats) may be NULL; tokens receives the proposals of
+// every proposing row (dflash_draft_max_proposal ids: rows 1..block_size-1, or 0..block_size-1
+// for an anchor-first draft). Returns 0 on success.
 DFLASH_API int dflash_draft_step(dflash_draft * draft, dflash_cache * cache, llama_token first_token,
                                  int32_t start_pos, float * logits, llama_token * tokens);
-// The same step for speculation: tokens receives the argmax of block rows 1..n only (1 <= n <=
-// block_size - 1); the whole block still runs through the layers, but the head only on those rows.
-// confidence (n floats, may be NULL) receives each token's probability under its row's softmax.
+// The same step for speculation: tokens receives the first n proposals only (1 <= n <=
+// dflash_draft_max_proposal); the whole block still runs through the layers, but the head only on
+// the rows proposing them. confidence (n floats, may be NULL) receives each token's confidence
+// (dflash_seq_draft).
 DFLASH_API int dflash_draft_propose(dflash_draft * draft, dflash_cache * cache, llama_token first_token,
                                     int32_t start_pos, int n, llama_token * tokens, float * confidence);
 

@@ -75,6 +75,9 @@ DFLASH_API const char * dflash_draft_device(const dflash_draft * draft);
 
 // Hyper-parameters.
 DFLASH_API int  dflash_draft_block_size(const dflash_draft * draft);
+// The most tokens one pass proposes: block_size - 1, or block_size where the anchor's own row
+// proposes (an anchor-first DSpark draft).
+DFLASH_API int  dflash_draft_max_proposal(const dflash_draft * draft);
 DFLASH_API int  dflash_draft_mask_token(const dflash_draft * draft);
 DFLASH_API int  dflash_draft_n_layer(const dflash_draft * draft);
 DFLASH_API int  dflash_draft_sliding_window(const dflash_draft * draft);            // 0 = none
@@ -90,6 +93,10 @@ DFLASH_API int  dflash_draft_n_head_tokens(const dflash_draft * draft);
 // A DFlash2 draft's settings into out: conv_kernel_size, conv_group_size, selector_rank,
 // selector_top_k. false (out untouched) for a DFlash1 draft.
 DFLASH_API bool dflash_draft_dflash2_settings(const dflash_draft * draft, int32_t out[4]);
+// A DSpark draft's settings into out: Markov rank (0: none), confidence head width (0: none;
+// n_embd, or n_embd + rank with the Markov features), anchor-first (0/1), window from the block
+// (0/1). false (out untouched) for a draft without DSpark's heads.
+DFLASH_API bool dflash_draft_dspark_settings(const dflash_draft * draft, int32_t out[4]);
 
 // Cross-context for one sequence. Full-attention layers keep the newest cross_ctx rows; sliding
 // layers never keep more than their window needs (window - 1 rows), so their memory and attention
@@ -151,8 +158,9 @@ DFLASH_API dflash_cache * dflash_seq_cache(dflash_seq * seq);
 // Commit rows (indices into the last pass's captured rows) at positions pos0, pos0+1, ...
 DFLASH_API int  dflash_seq_commit(dflash_seq * seq, const dflash_capture * capture, const int32_t * rows, int n_rows,
                                   llama_pos pos0);
-// Propose n tokens (n <= block_size - 1) after token t at position pos, and, when confidence is
-// not NULL, each one's probability under the draft's softmax. Returns 0 on success.
+// Propose n tokens (n <= dflash_draft_max_proposal) after token t at position pos, and, when
+// confidence is not NULL, each one's confidence: the draft's confidence head where it has one,
+// else its probability under the draft's softmax. Returns 0 on success.
 DFLASH_API int  dflash_seq_draft(dflash_seq * seq, llama_token t, llama_pos pos, int n, llama_token * out,
                                  float * confidence);
 // Hybrid targets: save this sequence's recurrent state before a verification pass, and put it

@@ -20,7 +20,7 @@
 // The most tokens a slot's step verifies: n_max, bounded by what one draft pass proposes, or
 // without a draft by DFLASH_LOOKUP_MAX_RUN.
 int server_context::dflash_n_max() const {
-    const int most = draft_dflash ? dflash_draft_block_size(draft_dflash) - 1 : DFLASH_LOOKUP_MAX_RUN;
+    const int most = draft_dflash ? dflash_draft_max_proposal(draft_dflash) : DFLASH_LOOKUP_MAX_RUN;
     return std::min(params_base.speculative.n_max, most);
 }
 

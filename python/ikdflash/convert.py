@@ -37,6 +37,8 @@ import gguf
 from ikdflash import pausepoint
 from ikdflash.sources.hf import CheckpointError, read_config, read_json_object, read_tensors, text_config
 from ikdflash.gguf_files import DFLASH2_SETTINGS, gguf_field
+from ikdflash.sources import speculators_format
+from ikdflash.sources.speculators_format import DSPARK_TENSORS, SpeculatorsSettings
 
 OUTTYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -89,7 +91,8 @@ DFLASH2_TENSORS = {
     "candidate_selector.successor_codebook.weight": "selector_successor.weight",
     "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
 }
-F32_TENSORS = ("attn_conv_base", "ffn_conv_base")  # 3-D, kept F32 as ik_llama.cpp writes them
+F32_TENSORS = ("attn_conv_base", "ffn_conv_base",  # 3-D, kept F32 as ik_llama.cpp writes them
+               "conf_proj.weight")  # one row: DSpark's confidence head
 OPTIONAL_TENSORS = {"embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight"}
 
 
@@ -136,6 +139,8 @@ class DraftHeader:
     # ikdflash's own: the ids the draft's head scores (those it was trained on), None = all
     head_token_ids: list[int] | None = None
     dflash2: Dflash2Settings | None = None
+    # a speculators checkpoint's layout and DSpark heads (None: z-lab's)
+    speculators: SpeculatorsSettings | None = None
 
     @property
     def layout(self) -> Layout:
@@ -299,6 +304,9 @@ def _dflash2_settings(config: Mapping[str, Any], n_embd: int, n_vocab: int, wher
 
 
 def read_draft_header(config: Mapping[str, Any], target: TargetInfo, where: str) -> DraftHeader:
+    speculators = None
+    if speculators_format.is_speculators_checkpoint(config):
+        config, speculators = speculators_format.flatten(config, where, ConversionError)
     archs = config.get("architectures") or []
     if not isinstance(archs, list) or not {"DFlashDraftModel", "DFlash2DraftModel"} & set(archs):
         raise ConversionError(f"{where}: architecture {archs or 'unknown'} is not supported "
@@ -360,6 +368,7 @@ def read_draft_header(config: Mapping[str, Any], target: TargetInfo, where: str)
         head_token_ids=_head_token_ids(config, target.n_vocab, where),
         dflash2=(_dflash2_settings(config, n_embd, target.n_vocab, where)
                  if "DFlash2DraftModel" in archs else None),
+        speculators=speculators,
     )
 
 
@@ -484,6 +493,8 @@ def expected_shapes(header: DraftHeader, n_vocab: int) -> dict[str, tuple[int, .
             per_layer |= {f"{conv}_conv_base": (2, taps, e), f"{conv}_conv_proj.weight": (n_dynamic, e)}
         shapes |= {"selector_predecessor.weight": (n_vocab, rank), "selector_successor.weight": (n_vocab, rank),
                    "selector_hidden.weight": (rank, e)}
+    if header.speculators:
+        shapes |= header.speculators.tensor_shapes(e, n_vocab)
     for il in range(header.n_layer):
         shapes |= {f"blk.{il}.{name}": shape for name, shape in per_layer.items()}
     return shapes
@@ -497,6 +508,9 @@ def map_tensors(weights: Mapping[str, np.ndarray], header: DraftHeader, n_vocab:
     unknown: list[str] = []
     dflash2 = header.dflash2 is not None
     per_layer, outside = layer_tensors(header.layout, dflash2), global_tensors(header.layout, dflash2)
+    if header.speculators:
+        heads = header.speculators.tensor_shapes(header.n_embd, n_vocab)
+        outside |= {hf: name for hf, name in DSPARK_TENSORS.items() if name in heads}
     for hf_name, array in weights.items():
         name = hf_name.removeprefix("model.")
         layer = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
@@ -584,6 +598,10 @@ def write_header(writer: gguf.GGUFWriter, header: DraftHeader, outtype: str) -> 
             writer.add_float32(f"{a}.{_SCALE_KEYS[header.layout.arch][name]}", value)
     if header.head_token_ids is not None:
         writer.add_array(f"{a}.dflash.head_token_ids", header.head_token_ids)
+    if header.speculators:
+        writer.add_bool(f"{a}.dflash.sample_from_anchor", header.speculators.anchor_first)
+        if header.speculators.window_from_block:
+            writer.add_bool(f"{a}.dflash.window_from_block", True)
 
 
 # The reference's settings, as each layout's keys name them (after "<arch>.").

@@ -215,6 +215,12 @@ class Engine:
     def block_size(self) -> int:
         return self.draft.info()["block_size"] if self.draft else 1
 
+    @property
+    def max_proposal(self) -> int:
+        """The most tokens one draft pass proposes: block_size - 1, or block_size for an
+        anchor-first DSpark draft; 0 without a draft."""
+        return self.draft.info()["max_proposal"] if self.draft else 0
+
     # Every generating method takes the sampling keywords of Sampling (its docstring says what
     # each does), spelt out so that a misspelt one is Python's own TypeError; Sampling.of(locals())
     # collects them, and their defaults are _S's.
@@ -241,7 +247,7 @@ class Engine:
                   repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
                   logprobs: int = _S.logprobs) -> SpeculationResult | TextStream[SpeculationResult]:
         """Generate with DFlash: draft up to n_max tokens per step, 1 up to what one draft pass
-        proposes (block_size - 1; default 4, or that when fewer). Without a draft model, the
+        proposes (max_proposal; default 4, or that when fewer). Without a draft model, the
         n-gram lookup's tokens alone, where they pay (n_max up to _core.LOOKUP_MAX_RUN, 15).
         ``adaptive``: each step verifies as many of them as pay, from the acceptance measured per
         draft position and this machine's pass costs (none when drafting does not pay); False:
@@ -260,7 +266,7 @@ class Engine:
                                  "needs lookup=True and adaptive=True; generate() runs the target alone")
             n_max = rules.n_max(n_max, _core.LOOKUP_MAX_RUN, most_is="what a step verifies without a draft")
         else:
-            n_max = rules.n_max(n_max, self.block_size - 1)
+            n_max = rules.n_max(n_max, self.max_proposal)
         return self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, stream, adaptive, lookup, confidence)
 
     @overload
@@ -312,7 +318,7 @@ class Engine:
         renders it. With the target alone when the engine has no draft, or with n_max 0; n_max
         as for stream()."""
         sampling = Sampling.of(locals())
-        n_max = rules.n_max(n_max, self.block_size - 1, zero_is_target_alone=True) if self.draft else 0
+        n_max = rules.n_max(n_max, self.max_proposal, zero_is_target_alone=True) if self.draft else 0
         return self._run(self.chat_tokens(messages), max_tokens, n_max, sampling, stop, stream, adaptive, lookup,
                          confidence)
 
@@ -338,7 +344,7 @@ class Engine:
             if n_max:
                 raise ValueError("this engine has no draft: stream with n_max=0")
             n_max = 0
-        n_max = rules.n_max(n_max, self.block_size - 1, zero_is_target_alone=True)
+        n_max = rules.n_max(n_max, self.max_proposal, zero_is_target_alone=True)
         stream = self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, True, adaptive, lookup, confidence)
         assert isinstance(stream, TextStream)
         return stream

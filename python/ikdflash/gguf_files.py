@@ -75,10 +75,19 @@ class DraftHeader:
     n_target_features: int | None
     head_token_ids: list[int] | None
     dflash2: dict[str, int] | None  # DFLASH2_SETTINGS, for a DFlash2 draft
+    anchor_first: bool = False      # the anchor's row proposes too (DSpark's default)
 
     @property
     def n_sliding(self) -> int:
         return sum(self.sliding)
+
+    @property
+    def max_proposal(self) -> int:
+        """The most tokens one draft pass proposes."""
+        return self.block_size - (not self.anchor_first)
+
+
+MARKOV_W1 = "markov_w1.weight"  # a DSpark draft's Markov head (docs/gguf.md)
 
 
 def read_draft_header(reader: gguf.GGUFReader, path: str | os.PathLike[str]) -> DraftHeader:
@@ -104,12 +113,15 @@ def read_draft_header(reader: gguf.GGUFReader, path: str | os.PathLike[str]) -> 
         block = int(field("block_size", 16))
     head = field("dflash.head_token_ids")
     width = field("dflash.n_target_features")
+    anchor_first = field(("dflash." if arch == "dflash-draft" else "") + "sample_from_anchor")
+    if anchor_first is None:  # a Markov head without the key: DSpark, anchor-first by default
+        anchor_first = any(t.name == MARKOV_W1 for t in reader.tensors)
     return DraftHeader(arch=arch, n_layer=n_layer, block_size=block, window=window, sliding=sliding,
                        target_layer_ids=[int(i) for i in ids], mask_token_id=None if mask is None else int(mask),
                        n_target_features=None if width is None else int(width),
                        head_token_ids=None if head is None else [int(i) for i in head],
                        dflash2={name: int(field(name)) for name in DFLASH2_SETTINGS} if field(DFLASH2_SETTINGS[0])
-                       else None)
+                       else None, anchor_first=bool(anchor_first))
 
 
 # --- targets --------------------------------------------------------------------------------------

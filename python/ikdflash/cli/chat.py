@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"ikdflash chat: error: {e}", file=sys.stderr)
         return 2
     try:
-        rules.n_max(args.n_max, engine.block_size - 1, name="--n-max")
+        rules.n_max(args.n_max, engine.max_proposal, name="--n-max")
     except ValueError as e:
         engine.close()
         print(f"ikdflash chat: error: {e}", file=sys.stderr)

@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         target, draft = resolve_models(args)
         with contextlib.ExitStack() as engines:
             engine = engines.enter_context(Engine(target, draft, n_ctx=args.ctx_size, n_threads=args.threads))
-            rules.n_max(args.n_max, engine.block_size - 1, name="--n-max")
+            rules.n_max(args.n_max, engine.max_proposal, name="--n-max")
             # the target alone has no draft to feed: its own engine, loaded before either is timed
             alone = (engines.enter_context(Engine(target, n_ctx=args.ctx_size, n_threads=args.threads))
                      if args.compare else None)

@@ -177,8 +177,8 @@ def run(args: argparse.Namespace) -> int:
         args.target, args.draft = resolve_models(args)
         server = build_server(args)
         report = check_pair(args.target, args.draft, cross_ctx=args.cross_ctx, ctx_size=args.ctx_size)
-        if "block_size" in report.facts:
-            rules.n_max(args.n_max, report.facts["block_size"] - 1, name="--n-max")
+        if "max_proposal" in report.facts:
+            rules.n_max(args.n_max, report.facts["max_proposal"], name="--n-max")
     except (SpecTypeError, HubError, FileNotFoundError, ValueError) as e:
         say(f"error: {e}")
         return 2

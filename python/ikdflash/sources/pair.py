@@ -44,7 +44,8 @@ def check_pair(target: str | os.PathLike[str], draft: str | os.PathLike[str], *,
     t_tokens = gguf_field(t, "tokenizer.ggml.tokens", [])
     d_tokens = gguf_field(d, "tokenizer.ggml.tokens", [])
     report.facts |= {"target_arch": t_arch, "target_layers": n_layer_t, "target_hidden": n_embd_t,
-                     "vocab": len(t_tokens), "draft_format": header.arch, "block_size": block, "window": window,
+                     "vocab": len(t_tokens), "draft_format": header.arch, "block_size": block,
+                     "max_proposal": header.max_proposal, "window": window,
                      "sliding_layers": header.n_sliding, "target_layer_ids": ids}
 
     if len(d_tokens) != len(t_tokens):
