@@ -169,16 +169,21 @@ def test_llama_server_keeps_the_targets_replies(engine_pair, tmp_path):
     target, draft = engine_pair
     prompts = ["the quick brown fox jumps over the lazy dog", PROMPT]
 
-    def replies(url: str) -> list[str]:
+    def replies(url: str) -> list[dict]:
         return [post_json(url + "/completion", {"prompt": p, "n_predict": 32, "temperature": 0,
-                                                "ignore_eos": True})["content"] for p in prompts]
+                                                "ignore_eos": True}) for p in prompts]
 
     with Server(target, ctx_size=512, n_threads=2, log_file=tmp_path / "alone.log") as url:
-        expected = replies(url)
-    args = ["--model-draft", str(draft), "--spec-type", SpecType(n_max=8).flag()]
-    with Server(target, ctx_size=512, n_threads=2, n_parallel=2, log_file=tmp_path / "dspark.log",
-                extra_args=args) as url:
-        assert replies(url) == expected
+        expected = [reply["content"] for reply in replies(url)]
+    # ik_llama.cpp's and llama.cpp's names for it: the same speculation, the file says DSpark
+    for name in ("dflash", "dspark", "draft-dspark"):
+        args = ["--model-draft", str(draft), "--spec-type", SpecType(n_max=8).flag().replace("dflash", name),
+                "--parallel", "2"]
+        assert SpecType.parse(args[-3]) == SpecType(n_max=8)
+        with Server(target, ctx_size=512, n_threads=2, log_file=tmp_path / f"{name}.log", extra_args=args) as url:
+            speculated = replies(url)
+        assert [reply["content"] for reply in speculated] == expected
+        assert sum(reply["timings"]["draft_n"] for reply in speculated) > 0
 
 
 def load_error(model, path) -> str:

@@ -5,7 +5,8 @@ llama.cpp read DFlash2 drafts in.
     from ikdflash.convert import convert
     gguf_path = convert("draft-hf/", "target.gguf", outtype="q8_0")   # `ikdflash convert` on the command line
 
-DRAFT_DIR holds config.json (architecture DFlashDraftModel or DFlash2DraftModel) and safetensors weights. TARGET is
+DRAFT_DIR holds config.json (architecture DFlashDraftModel or DFlash2DraftModel, or a speculators
+DSparkDraftModel or DFlashDraftModel: sources/speculators_format.py) and safetensors weights. TARGET is
 the target's Hugging Face folder (config.json + tokenizer.json) or its GGUF file: the draft reads
 the target's tokenizer, hidden size and layer count from it.
 

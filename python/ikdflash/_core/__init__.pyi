@@ -58,17 +58,21 @@ class Draft:
         """n_gpu_layers < 0: run where the target keeps its output layer; 0: CPU; > 0: a GPU."""
     def close(self) -> None: ...
     def info(self) -> dict[str, Any]:
-        """format, device, n_layer, block_size, mask_token, sliding_window, sliding, causal,
-        target_layer_ids, n_target_features, n_head_tokens, graph_computes (graphs computed since
-        loading: context rows projected, draft steps), and dflash2: a DFlash2 draft's
-        conv_kernel_size, conv_group_size, selector_rank and selector_top_k (None for DFlash1)."""
+        """format, device, n_layer, block_size, max_proposal (tokens one pass proposes),
+        mask_token, sliding_window, sliding, causal, target_layer_ids, n_target_features,
+        n_head_tokens, graph_computes (graphs computed since loading: context rows projected, draft
+        steps); dflash2: a DFlash2 draft's conv_kernel_size, conv_group_size, selector_rank and
+        selector_top_k; dspark: a DSpark draft's markov_rank, confidence_width, anchor_first and
+        window_from_block (each None for other drafts)."""
     def cache_layout(self, cross_ctx: int, full_attention: bool = False) -> dict[str, Any]:
         """capacity (rows per layer) and bytes of a cross-context, from its allocation."""
     def forward(self, features: npt.ArrayLike, positions: npt.ArrayLike, first_token: int, start: int,
                 cross_ctx: int = 0, full_attention: bool = False, truncate_at: int = -1,
                 then_features: npt.ArrayLike | None = None,
                 then_positions: npt.ArrayLike | None = None) -> tuple[npt.NDArray[np.float32], list[int]]:
-        """One draft step over these context rows: (logits [block, vocab], argmax of rows 1..).
+        """One draft step over these context rows: (logits [block, vocab], the proposals: the
+        argmax of rows 1.., or a DFlash2 selector's or a DSpark chain's choices, from row 0 when
+        anchor-first).
         truncate_at >= 0 drops the rows at positions >= it first; then_* rows are appended after."""
 
 class CrossContext:
@@ -87,10 +91,10 @@ class CrossContext:
     def n_rows(self) -> list[int]:
         """Rows held per layer."""
     def step(self, first_token: int, start: int) -> tuple[npt.NDArray[np.float32], list[int]]:
-        """One draft step: (logits [block, vocab], argmax of rows 1..)."""
+        """One draft step: (logits [block, vocab], the proposals, as forward's)."""
     def propose(self, first_token: int, start: int, n: int) -> list[int]:
-        """The speculative loop's step: the argmax of block rows 1..n (the head on those rows only;
-        an all-causal draft computes no row past n)."""
+        """The speculative loop's step: the first n proposals (the head on their rows only; an
+        all-causal draft computes no row past them)."""
     def propose_with_confidence(self, first_token: int, start: int, n: int) -> tuple[list[int], list[float]]:
         """The same, and each token's probability under its row's softmax."""
 

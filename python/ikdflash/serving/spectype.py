@@ -16,6 +16,8 @@ from typing import Any
 
 from ikdflash import _core
 
+# llama-server's names for the same speculation: the draft file says whether it is DSpark
+DFLASH_NAMES = ("dflash", "draft-dflash", "dspark", "draft-dspark")
 SWITCHES = ("full_attention", "log_drafts", "confidence", "adaptive", "lookup")  # 0/1 on the command line
 OFF_BY_DEFAULT = ("full_attention", "log_drafts", "confidence")  # in the server: said only when on
 
@@ -60,8 +62,9 @@ class SpecType:
 def _parsed(text: str) -> dict[str, Any]:
     """The keys a --spec-type value names, parsed by the fork's parser; SpecTypeError if it refuses."""
     kind, _, rest = text.partition(":")
-    if kind != "dflash":
-        raise SpecTypeError(f"--spec-type {text}: only 'dflash[:k=v,...]' is built here")
+    if kind not in DFLASH_NAMES:
+        raise SpecTypeError(f"--spec-type {text}: only 'dflash[:k=v,...]' is built here (alias "
+                            f"{', '.join(DFLASH_NAMES[1:])})")
     try:
         named = _core.parse_spec_options(rest)
     except ValueError as e:
