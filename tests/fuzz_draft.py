@@ -7,7 +7,7 @@ in a worker process through `_core.Draft`, then runs one draft step; with --serv
 `llama-server --model-draft`. A case passes when the file loads and steps, or is refused with a
 message; it fails on a signal, an exit without a verdict, or a timeout.
 
-    python tests/fuzz_draft.py --cases 1000 --seed 0 [--server-every 10] [--report out.json] [--dflash2]
+    python tests/fuzz_draft.py --cases 1000 --seed 0 [--server-every 10] [--report out.json] [--family dflash2|dspark]
 
 tests/test_fuzz.py runs a small slice of it in the default test run.
 """
@@ -20,6 +20,7 @@ import struct
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -184,23 +185,28 @@ def main() -> int:
     parser.add_argument("--server-every", type=int, default=10, help="also load every N-th case in llama-server")
     parser.add_argument("--target", type=Path, help="target GGUF (default: a tiny llama made here)")
     parser.add_argument("--draft", type=Path, help="draft GGUF to mutate (default: a tiny draft for the target)")
-    parser.add_argument("--dflash2", action="store_true", help="the default tiny draft is a DFlash2 draft")
+    parser.add_argument("--family", choices=sorted(FAMILIES), help="the default tiny draft's family (default DFlash1)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ikdflash-fuzz-pair-") as folder:
         target, draft = args.target, args.draft
         if target is None or draft is None:
-            target, draft = tiny_pair(Path(folder), DFLASH2 if args.dflash2 else None)
+            target, draft = tiny_pair(Path(folder), FAMILIES.get(args.family, {}))
         progress = Progress(args.cases)
         results = run(target, draft, args.cases, args.seed, args.server_every, args.timeout, progress)
     return finish(results, progress, args.report)
 
 
-# a small DFlash2 draft's settings: every key and tensor of the format, two taps, a few candidates
-DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
+# write_tiny_draft's options for a small draft of each other family, with every key and tensor of
+# its format: DFlash2 with two taps and a few candidates; DSpark with both heads, anchor-first
+FAMILIES: dict[str, dict[str, Any]] = {
+    "dflash2": {"dflash2": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}},
+    "dspark": {"dspark": {"markov_rank": 32}},
+}
 
 
-def tiny_pair(folder: Path, dflash2: dict[str, int] | None = None) -> tuple[Path, Path]:
-    """A tiny llama target and a 3-layer sliding-window draft (DFlash2 with dflash2) converted for it."""
+def tiny_pair(folder: Path, family: dict[str, Any]) -> tuple[Path, Path]:
+    """A tiny llama target and a 3-layer sliding-window draft of a family (FAMILIES; {}: DFlash1)
+    converted for it."""
     from ikdflash.convert import convert
     from fixtures.tinydraft import write_hf_target, write_tiny_draft
     from fixtures.tinymodels import write_tiny_model
@@ -208,7 +214,7 @@ def tiny_pair(folder: Path, dflash2: dict[str, int] | None = None) -> tuple[Path
     hf = write_hf_target(folder / "target-hf", target)
     checkpoint = write_tiny_draft(folder / "draft", hf, target_layer_ids=[0, 2], block_size=8,
                                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                                  sliding_window=8, dflash2=dflash2)
+                                  sliding_window=8, **family)
     return target, convert(checkpoint, hf, outtype="q8_0", outfile=folder / "draft.gguf", log=lambda _: None)
 
 

@@ -16,6 +16,7 @@ from ikdflash.serving.client import post_json
 from ikdflash.serving.spectype import SpecType
 from fixtures.gguf_edit import rewrite
 from fixtures.tinydraft import write_tiny_draft
+from test_draft import context
 from test_draft import target  # noqa: F401  (a tiny qwen3 target: GGUF, HF folder, loaded model)
 
 WINDOW = 8
@@ -44,10 +45,6 @@ def make_draft(folder, hf, case: str, outtype: str = "f32"):
 def drafts(target, tmp_path_factory):
     _, hf, _ = target
     return {case: make_draft(tmp_path_factory.mktemp(case), hf, case) for case in CASES}
-
-
-def context(n_rows: int, width: int, seed: int = 1) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((n_rows, width)).astype(np.float32)
 
 
 def ours_and_reference(target, folder, path, n_ctx: int, start: int, first: int = 65):

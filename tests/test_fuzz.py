@@ -34,12 +34,14 @@ def test_mutated_drafts_never_crash_or_hang(pair):
     assert all(case.detail for case in results if case.outcome == "refused")
 
 
-def test_mutated_dflash2_drafts_never_crash_or_hang(tiny_model, tiny_draft):
-    """The same with a DFlash2 draft: its four keys, its convolutions' and selector's tensors."""
-    from fuzz_draft import DFLASH2
+@pytest.mark.parametrize("family", ["dflash2", "dspark"])
+def test_mutated_dflash2_and_dspark_drafts_never_crash_or_hang(tiny_model, tiny_draft, family):
+    """The same with a DFlash2 draft (its four keys, its convolutions' and selector's tensors) and
+    a DSpark draft (its Markov and confidence heads, its layout keys)."""
+    from fuzz_draft import FAMILIES
 
     target = tiny_model("llama")
-    draft = tiny_draft(target, target_layer_ids=[0, 2], block_size=8, dflash2=DFLASH2,
+    draft = tiny_draft(target, target_layer_ids=[0, 2], block_size=8, **FAMILIES[family],
                        layer_types=["sliding_attention"] * 2 + ["full_attention"], sliding_window=8)
     results = run(target, draft, cases=60, seed=54321, server_every=20, timeout=20)
     assert not [case for case in results if case.outcome in ("crash", "hang")]
