@@ -268,10 +268,11 @@ void flush_pending(dflash_draft & d, dflash_cache & c);
 // One draft step. The head, which costs more than the layers for a large vocabulary, runs only on
 // block rows head_row0 .. head_row0 + n_head - 1. The layers run the whole block where a layer
 // attends both ways within it; where every layer is causal, a row sees no row after it, so the
-// rows past the last head row are left out. The first-maximum argmax of every head row past row
-// 0 goes to tokens_out; the logits leave the backend only when logits_out asks for them
+// rows past the last head row are left out. Each proposing head row's choice (its first-maximum
+// argmax, a DFlash2 selector's or a DSpark chain's) goes to tokens_out, proposal i from block row
+// first_proposing_row() + i; the logits leave the backend only when logits_out asks for them
 // (sampling): greedy steps read n_head ids, not n_head x n_vocab floats from a GPU. confidence_out,
-// when given, receives each proposed token's probability under its row's softmax over the head.
+// when given, receives each proposal's confidence (dflash_seq_draft).
 void run_step(dflash_draft & d, dflash_cache & c, llama_token first, int32_t start, int head_row0, int n_head,
               float * logits_out, llama_token * tokens_out, float * confidence_out);
 
