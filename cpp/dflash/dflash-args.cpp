@@ -3,9 +3,11 @@
 #include "dflash.h"
 #include "dflash-impl.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdlib>
+#include <iterator>
 #include <string>
 
 using dflash_impl::fail;
@@ -45,6 +47,20 @@ bool parse_flag(const std::string & key, const std::string & value) {
     return value == "1";
 }
 
+// The 0/1 keys, each setting one field.
+struct switch_key {
+    const char * name;
+    bool dflash_spec_options::*field;
+    uint32_t bit;
+};
+const switch_key k_switches[] = {
+    {"full_attention", &dflash_spec_options::full_attention, DFLASH_SPEC_FULL_ATTENTION},
+    {"log_drafts", &dflash_spec_options::log_drafts, DFLASH_SPEC_LOG_DRAFTS},
+    {"adaptive", &dflash_spec_options::adaptive, DFLASH_SPEC_ADAPTIVE},
+    {"lookup", &dflash_spec_options::lookup, DFLASH_SPEC_LOOKUP},
+    {"confidence", &dflash_spec_options::confidence, DFLASH_SPEC_CONFIDENCE},
+};
+
 }  // namespace
 
 int dflash_parse_spec_options(const char * text, dflash_spec_options * options) {
@@ -71,7 +87,12 @@ int dflash_parse_spec_options_named(const char * text, dflash_spec_options * opt
                 fail("--spec-type dflash: '%s' is not key=value", item.c_str());
             }
             const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
-            if (key == "n_max") {
+            const auto named_switch = std::find_if(std::begin(k_switches), std::end(k_switches),
+                                                   [&](const switch_key & k) { return key == k.name; });
+            if (named_switch != std::end(k_switches)) {
+                options->*(named_switch->field) = parse_flag(key, value);
+                seen |= named_switch->bit;
+            } else if (key == "n_max") {
                 options->n_max = (int32_t) parse_int(key, value, 1);
                 seen |= DFLASH_SPEC_N_MAX;
             } else if (key == "n_min") {
@@ -86,21 +107,6 @@ int dflash_parse_spec_options_named(const char * text, dflash_spec_options * opt
             } else if (key == "cross_ctx" || key == "dflash_cross_ctx") {
                 options->cross_ctx = (int32_t) parse_int(key, value, 0);  // 0: the slot's context
                 seen |= DFLASH_SPEC_CROSS_CTX;
-            } else if (key == "full_attention") {
-                options->full_attention = parse_flag(key, value);
-                seen |= DFLASH_SPEC_FULL_ATTENTION;
-            } else if (key == "log_drafts") {
-                options->log_drafts = parse_flag(key, value);
-                seen |= DFLASH_SPEC_LOG_DRAFTS;
-            } else if (key == "adaptive") {
-                options->adaptive = parse_flag(key, value);
-                seen |= DFLASH_SPEC_ADAPTIVE;
-            } else if (key == "lookup") {
-                options->lookup = parse_flag(key, value);
-                seen |= DFLASH_SPEC_LOOKUP;
-            } else if (key == "confidence") {
-                options->confidence = parse_flag(key, value);
-                seen |= DFLASH_SPEC_CONFIDENCE;
             } else {
                 fail("--spec-type dflash: unknown key '%s' (known: n_max, n_min, p_min, cross_ctx, "
                      "dflash_cross_ctx, full_attention, log_drafts, min_accept, adaptive, lookup, confidence)",
