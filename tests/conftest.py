@@ -10,8 +10,7 @@ import pytest
 import gguf
 import numpy as np
 
-from ikdflash.convert import convert
-from fixtures.tinydraft import write_hf_target, write_tiny_draft
+from fixtures.tinydraft import converted_tiny_draft, write_hf_target
 from fixtures.tinymodels import write_tiny_model
 from fixtures.gguf_edit import rewrite
 
@@ -56,8 +55,7 @@ def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         if key not in made:
             folder = tmp_path_factory.mktemp("draft")
             hf = write_hf_target(folder / "target-hf", target)
-            checkpoint = write_tiny_draft(folder / "draft", hf, **options)
-            made[key] = convert(checkpoint, hf, outtype=outtype, outfile=folder / "draft.gguf", log=lambda _: None)
+            made[key] = converted_tiny_draft(folder, hf, outtype=outtype, **options)[1]
         return made[key]
 
     return make

@@ -207,15 +207,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
 def tiny_pair(folder: Path, family: dict[str, Any]) -> tuple[Path, Path]:
     """A tiny llama target and a 3-layer sliding-window draft of a family (FAMILIES; {}: DFlash1)
     converted for it."""
-    from ikdflash.convert import convert
-    from fixtures.tinydraft import write_hf_target, write_tiny_draft
+    from fixtures.tinydraft import converted_tiny_draft, write_hf_target
     from fixtures.tinymodels import write_tiny_model
     target = write_tiny_model(folder / "target.gguf", arch="llama")
     hf = write_hf_target(folder / "target-hf", target)
-    checkpoint = write_tiny_draft(folder / "draft", hf, target_layer_ids=[0, 2], block_size=8,
-                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                                  sliding_window=8, **family)
-    return target, convert(checkpoint, hf, outtype="q8_0", outfile=folder / "draft.gguf", log=lambda _: None)
+    return target, converted_tiny_draft(folder, hf, outtype="q8_0", target_layer_ids=[0, 2], block_size=8,
+                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                        sliding_window=8, **family)[1]
 
 
 if __name__ == "__main__":

@@ -1219,15 +1219,13 @@ def distinct(results: Sequence[RequestCase]) -> dict[str, list[RequestCase]]:
 
 def tiny_pair(folder: Path, arch: str = "llama") -> tuple[Path, Path]:
     """A tiny target and a 3-layer sliding-window DFlash draft converted for it."""
-    from ikdflash.convert import convert
-    from fixtures.tinydraft import write_hf_target, write_tiny_draft
+    from fixtures.tinydraft import converted_tiny_draft, write_hf_target
     from fixtures.tinymodels import write_tiny_model
     target = write_tiny_model(folder / "target.gguf", arch=arch)
     hf = write_hf_target(folder / "target-hf", target)
-    checkpoint = write_tiny_draft(folder / "draft", hf, target_layer_ids=[0, 2], block_size=16,
-                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                                  sliding_window=8, seed=5)
-    return target, convert(checkpoint, hf, outtype="f32", outfile=folder / "draft.gguf", log=lambda _: None)
+    return target, converted_tiny_draft(folder, hf, target_layer_ids=[0, 2], block_size=16,
+                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                        sliding_window=8, seed=5)[1]
 
 
 def main() -> int:

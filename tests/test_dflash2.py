@@ -15,7 +15,7 @@ import pytest
 
 from ikdflash import Engine, _core, build_info
 from ikdflash.convert import convert
-from fixtures.tinydraft import write_tiny_draft
+from fixtures.tinydraft import converted_tiny_draft
 from fixtures.gguf_edit import DROP, rewrite
 from test_draft import check_proposals
 from test_draft import target  # noqa: F401  (a tiny qwen3 target: GGUF, HF folder, loaded model)
@@ -41,10 +41,8 @@ def dflash2(settings: tuple[int, int, int, int]) -> dict[str, int]:
 def make_draft(folder, hf, case: str, outtype: str = "f32", **extra):
     options = dict(CASES[case])
     settings = options.pop("settings")
-    checkpoint = write_tiny_draft(folder / "draft", hf, target_layer_ids=[0, 2], seed=11,
-                                  dflash2=dflash2(settings), **options, **extra)
-    return checkpoint, convert(checkpoint, hf, outtype=outtype, outfile=folder / f"draft-{outtype}.gguf",
-                               log=lambda _: None)
+    return converted_tiny_draft(folder, hf, outtype=outtype, target_layer_ids=[0, 2], seed=11,
+                                dflash2=dflash2(settings), **options, **extra)
 
 
 @pytest.fixture(scope="module")

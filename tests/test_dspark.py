@@ -15,7 +15,7 @@ from ikdflash.convert import ConversionError, convert
 from ikdflash.serving.client import post_json
 from ikdflash.serving.spectype import SpecType
 from fixtures.gguf_edit import rewrite
-from fixtures.tinydraft import write_tiny_draft
+from fixtures.tinydraft import converted_tiny_draft
 from test_draft import context
 from test_draft import target  # noqa: F401  (a tiny qwen3 target: GGUF, HF folder, loaded model)
 
@@ -36,9 +36,8 @@ CASES = {
 
 
 def make_draft(folder, hf, case: str, outtype: str = "f32"):
-    checkpoint = write_tiny_draft(folder / "draft", hf, target_layer_ids=[0, 2], seed=5, block_size=6, **CASES[case])
-    return checkpoint, convert(checkpoint, hf, outtype=outtype, outfile=folder / f"draft-{outtype}.gguf",
-                               log=lambda _: None)
+    return converted_tiny_draft(folder, hf, outtype=outtype, target_layer_ids=[0, 2], seed=5, block_size=6,
+                                **CASES[case])
 
 
 @pytest.fixture(scope="module")
