@@ -418,6 +418,7 @@ void bind_dspark_tensors(dflash_draft & d, std::map<std::string, bool> & claimed
         }
         d.markov_prev = expect_tensor(ctx, k_tensor_markov_w1, {d.markov_rank, d.n_vocab}, claimed);
         d.markov_bias = expect_tensor(ctx, k_tensor_markov_w2, {d.markov_rank, d.n_vocab}, claimed);
+        d.markov_prev_scored = d.markov_prev;  // until a cut head takes its rows (cut_head)
         if (d.markov_rank % ggml_blck_size(d.markov_prev->type) != 0) {
             fail("tensor '%s' is stored as %s, whose blocks do not fit its rank %d", k_tensor_markov_w1,
                  ggml_type_name(d.markov_prev->type), d.markov_rank);
@@ -721,7 +722,6 @@ std::unique_ptr<dflash_draft> dflash_impl::load_draft(const char * path, const l
     if (d->is_dflash2()) {
         attach_codebooks(*d);
     }
-    d->markov_prev_scored = d->markov_prev;
     if (!d->head_ids.empty()) {
         cut_head(*d);
     }
