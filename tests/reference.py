@@ -136,3 +136,69 @@ class ReferenceDspark:
                         features_k = torch.cat([features_k, w1_row[0, 0]])
                     confidence.append(float(torch.sigmoid(model.confidence_head(features_k))))
         return np.stack(rows), tokens, confidence or None
+
+
+class ReferenceSpecforge:
+    """SpecForge 0.2.0's DSparkDraftModel on a SpecForge checkpoint, as its own generation runs it:
+    the backbone with no attention mask (every layer sees the context and the whole block), then
+    its Markov head's greedy block over rows 1.. from the anchor, and its confidence head."""
+
+    def __init__(self, draft_dir: Path, hf_target: Path) -> None:
+        import json
+
+        import torch
+        from transformers import Qwen3Config
+
+        self.torch = torch
+        config = Qwen3Config(**json.loads((Path(draft_dir) / "config.json").read_text()))
+        config._attn_implementation = "eager"
+        self.model = _specforge_dspark()(config).eval()
+        weights = {k: torch.from_numpy(v) for k, v in read_tensors(draft_dir).items()}
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        assert not missing and not unexpected, (missing, unexpected)
+        target = read_tensors(hf_target)
+        self.embed = torch.from_numpy(target["model.embed_tokens.weight"])
+        self.head = torch.from_numpy(target["lm_head.weight"])
+
+    def draft(self, features: np.ndarray, first_token: int, start: int):
+        """(the proposing rows' logits with the Markov bias, the proposals, their confidences or
+        None) for the block at start, context rows at start-n..start-1."""
+        torch, model = self.torch, self.model
+        block = torch.tensor([[first_token] + [model.mask_token_id] * (model.block_size - 1)])
+        with torch.inference_mode():
+            hidden = model(position_ids=torch.arange(start - features.shape[0], start + model.block_size)[None],
+                           noise_embedding=torch.nn.functional.embedding(block, self.embed),
+                           target_hidden=torch.from_numpy(features)[None])[:, 1:]
+            logits = hidden @ self.head.T
+            anchor = torch.tensor([first_token])
+            if model.markov_head is None:
+                tokens = logits.argmax(dim=-1)
+            else:
+                tokens, logits = model.markov_head.sample_block_tokens(logits, first_prev_token_ids=anchor,
+                                                                       hidden_states=hidden)
+            previous = torch.cat([anchor[None], tokens[:, :-1]], dim=1)
+            confidence = model.predict_confidence(hidden, prev_token_ids=previous)
+        return (logits[0].numpy(), [int(t) for t in tokens[0]],
+                None if confidence is None else torch.sigmoid(confidence[0]).tolist())
+
+
+def _specforge_dspark():
+    """SpecForge's DSparkDraftModel class, its package imported on a thread of its own: one of its
+    modules keeps an exception raised while it was imported, whose traceback would keep every frame
+    that imported it alive (a test's, with the Draft that holds its model)."""
+    import importlib
+    import sys
+    import threading
+    import warnings
+
+    name = "specforge.modeling.draft.dspark"
+    if name not in sys.modules:
+        def load() -> None:
+            with warnings.catch_warnings():  # the package warns of GPU kernels it cannot import
+                warnings.simplefilter("ignore")
+                importlib.import_module(name)
+
+        loader = threading.Thread(target=load)
+        loader.start()
+        loader.join()
+    return sys.modules[name].DSparkDraftModel

@@ -79,6 +79,51 @@ def test_matches_the_reference(target, drafts, case, n_ctx, start):
         assert np.allclose(confidence, softmax[np.arange(len(ref_tokens)), ref_tokens], atol=1e-5)
 
 
+SPECFORGE = {
+    "specforge-r8": dict(markov_rank=8, anchor_first=False, layout="specforge"),
+    "specforge-r0-hidden": dict(markov_rank=0, confidence="hidden", anchor_first=False, layout="specforge"),
+}
+
+
+@pytest.mark.parametrize("case", list(SPECFORGE))
+def test_specforge_checkpoints_match_specforge(target, tmp_path, case):
+    """SpecForge's layout (z-lab's config, DSpark's settings in dflash_config, rows 1.. proposing)
+    against its own DSparkDraftModel, on full-attention layers: its generation masks nothing, so
+    that is where it defines the step."""
+    from reference import ReferenceSpecforge
+
+    _, hf, model = target
+    folder, path = converted_tiny_draft(tmp_path, hf, target_layer_ids=[0, 2], seed=5, block_size=6,
+                                        layer_types=["full_attention"] * 2, dspark=SPECFORGE[case])
+    draft = _core.Draft(model, str(path))
+    assert draft.info()["max_proposal"] == 5 and draft.info()["dspark"]["anchor_first"] == 0
+    features = context(20, draft.info()["n_target_features"])
+    logits, tokens = draft.forward(features, np.arange(20, dtype=np.int32), 65, 20)
+    cache = _core.CrossContext(draft, 64)
+    cache.append(features, np.arange(20, dtype=np.int32))
+    proposed, confidence = cache.propose_with_confidence(65, 20, 5)
+    ref_logits, ref_tokens, ref_confidence = ReferenceSpecforge(folder, hf).draft(features, 65, 20)
+    assert np.max(np.abs(logits[1:] - ref_logits)) <= 1e-4
+    assert tokens == proposed == ref_tokens
+    assert np.max(np.abs(np.array(confidence) - ref_confidence)) <= 1e-4
+
+
+def test_specforges_earliest_head_names_convert(target, tmp_path):
+    """SpecForge's first DSpark checkpoints kept the heads under logit_head.: the same file."""
+    from ikdflash.sources.hf import read_tensors, write_tensors
+
+    _, hf, _ = target
+    folder, path = converted_tiny_draft(tmp_path, hf, target_layer_ids=[0, 2], seed=5, block_size=6,
+                                        layer_types=["full_attention"] * 2, dspark=SPECFORGE["specforge-r8"])
+    weights = read_tensors(folder)
+    renamed = {("logit_head." + k if k.startswith(("markov_head.", "confidence_head.")) else k): v
+               for k, v in weights.items()}
+    assert renamed.keys() != weights.keys()
+    write_tensors(folder / "model.safetensors", renamed)
+    again = convert(folder, hf, outtype="f32", outfile=tmp_path / "again.gguf", log=lambda _: None)
+    assert again.read_bytes() == path.read_bytes()
+
+
 def test_the_markov_chain_changes_the_proposal(target, drafts):
     """The bias is large enough on these random heads that some row's choice is not what the
     unbiased logits pick, and the anchor-first layout proposes the whole block."""

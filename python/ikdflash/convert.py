@@ -5,8 +5,8 @@ llama.cpp read DFlash2 drafts in.
     from ikdflash.convert import convert
     gguf_path = convert("draft-hf/", "target.gguf", outtype="q8_0")   # `ikdflash convert` on the command line
 
-DRAFT_DIR holds config.json (architecture DFlashDraftModel or DFlash2DraftModel, or a speculators
-DSparkDraftModel or DFlashDraftModel: sources/speculators_format.py) and safetensors weights. TARGET is
+DRAFT_DIR holds config.json (architecture DFlashDraftModel or DFlash2DraftModel, or a DSpark draft
+from speculators or SpecForge: sources/dspark_layouts.py) and safetensors weights. TARGET is
 the target's Hugging Face folder (config.json + tokenizer.json) or its GGUF file: the draft reads
 the target's tokenizer, hidden size and layer count from it.
 
@@ -38,8 +38,8 @@ import gguf
 from ikdflash import pausepoint
 from ikdflash.sources.hf import CheckpointError, read_config, read_json_object, read_tensors, text_config
 from ikdflash.gguf_files import DFLASH2_SETTINGS, gguf_field
-from ikdflash.sources import speculators_format
-from ikdflash.sources.speculators_format import DSPARK_TENSORS, SpeculatorsSettings
+from ikdflash.sources import dspark_layouts
+from ikdflash.sources.dspark_layouts import DSPARK_TENSORS, DsparkSettings
 
 OUTTYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -140,8 +140,8 @@ class DraftHeader:
     # ikdflash's own: the ids the draft's head scores (those it was trained on), None = all
     head_token_ids: list[int] | None = None
     dflash2: Dflash2Settings | None = None
-    # a speculators checkpoint's layout and DSpark heads (None: z-lab's)
-    speculators: SpeculatorsSettings | None = None
+    # a DSpark layout's settings and heads (speculators' or SpecForge's; None: z-lab's DFlash)
+    dspark: DsparkSettings | None = None
 
     @property
     def layout(self) -> Layout:
@@ -305,9 +305,7 @@ def _dflash2_settings(config: Mapping[str, Any], n_embd: int, n_vocab: int, wher
 
 
 def read_draft_header(config: Mapping[str, Any], target: TargetInfo, where: str) -> DraftHeader:
-    speculators = None
-    if speculators_format.is_speculators_checkpoint(config):
-        config, speculators = speculators_format.flatten(config, where, ConversionError)
+    config, dspark = dspark_layouts.read(config, where, ConversionError)
     archs = config.get("architectures") or []
     if not isinstance(archs, list) or not {"DFlashDraftModel", "DFlash2DraftModel"} & set(archs):
         raise ConversionError(f"{where}: architecture {archs or 'unknown'} is not supported "
@@ -369,7 +367,7 @@ def read_draft_header(config: Mapping[str, Any], target: TargetInfo, where: str)
         head_token_ids=_head_token_ids(config, target.n_vocab, where),
         dflash2=(_dflash2_settings(config, n_embd, target.n_vocab, where)
                  if "DFlash2DraftModel" in archs else None),
-        speculators=speculators,
+        dspark=dspark,
     )
 
 
@@ -494,8 +492,8 @@ def expected_shapes(header: DraftHeader, n_vocab: int) -> dict[str, tuple[int, .
             per_layer |= {f"{conv}_conv_base": (2, taps, e), f"{conv}_conv_proj.weight": (n_dynamic, e)}
         shapes |= {"selector_predecessor.weight": (n_vocab, rank), "selector_successor.weight": (n_vocab, rank),
                    "selector_hidden.weight": (rank, e)}
-    if header.speculators:
-        shapes |= header.speculators.tensor_shapes(e, n_vocab)
+    if header.dspark:
+        shapes |= header.dspark.tensor_shapes(e, n_vocab)
     for il in range(header.n_layer):
         shapes |= {f"blk.{il}.{name}": shape for name, shape in per_layer.items()}
     return shapes
@@ -509,8 +507,8 @@ def map_tensors(weights: Mapping[str, np.ndarray], header: DraftHeader, n_vocab:
     unknown: list[str] = []
     dflash2 = header.dflash2 is not None
     per_layer, outside = layer_tensors(header.layout, dflash2), global_tensors(header.layout, dflash2)
-    if header.speculators:
-        heads = header.speculators.tensor_shapes(header.n_embd, n_vocab)
+    if header.dspark:
+        heads = header.dspark.tensor_shapes(header.n_embd, n_vocab)
         outside |= {hf: name for hf, name in DSPARK_TENSORS.items() if name in heads}
     for hf_name, array in weights.items():
         name = hf_name.removeprefix("model.")
@@ -599,9 +597,9 @@ def write_header(writer: gguf.GGUFWriter, header: DraftHeader, outtype: str) -> 
             writer.add_float32(f"{a}.{_SCALE_KEYS[header.layout.arch][name]}", value)
     if header.head_token_ids is not None:
         writer.add_array(f"{a}.dflash.head_token_ids", header.head_token_ids)
-    if header.speculators:
-        writer.add_bool(f"{a}.dflash.sample_from_anchor", header.speculators.anchor_first)
-        if header.speculators.window_from_block:
+    if header.dspark:
+        writer.add_bool(f"{a}.dflash.sample_from_anchor", header.dspark.anchor_first)
+        if header.dspark.window_from_block:
             writer.add_bool(f"{a}.dflash.window_from_block", True)
 
 
