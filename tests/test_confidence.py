@@ -124,3 +124,24 @@ def test_the_server_cuts_by_confidence_losslessly(swa_pairs, tmp_path):
         with Server(target, ctx_size=1024, n_threads=2, log_file=tmp_path / "s.log",
                     extra_args=["--model-draft", str(draft), "--spec-type", spec.flag()]) as url:
             assert post_json(url + "/completion", request)["content"] == plain, spec.flag()
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_conf_min_verifies_nothing_from_the_first_token_below_it(adaptive):
+    """llama.cpp's fixed floor, with either kind of controller and without the calibrated cut:
+    never more than the plan, and never a token from the first whose confidence is below it."""
+    ctl = BlockController(4, CHEAP_ROWS, DRAFT_MS, adaptive=adaptive, confidence_cut=False, conf_min=0.5)
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        n_draft, n_verify = ctl.plan(4)
+        if n_draft == 0:
+            ctl.committed(0, [TARGET])
+            continue
+        confidence = [float(c) for c in rng.uniform(0.0, 1.0, n_draft)]
+        below = next((i for i, c in enumerate(confidence) if c < 0.5), n_draft)
+        verified = ctl.proposed([TARGET] * n_draft, confidence)
+        assert verified == min(n_verify, below)
+        ctl.committed(verified, [TARGET] * (verified + 1))
+    assert ctl.stats()["n_confidence_cut"] == 0
+    with pytest.raises(ValueError, match=r"conf_min must be in \[0, 1\], got 1.5"):
+        BlockController(4, CHEAP_ROWS, DRAFT_MS, conf_min=1.5)

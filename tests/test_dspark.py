@@ -196,6 +196,24 @@ def test_greedy_speculation_is_lossless(engine_pair, adaptive):
             engine.speculate(prompt, max_tokens=8, n_max=9)
 
 
+def test_conf_min_cuts_by_the_confidence_head(engine_pair):
+    """llama.cpp's fixed floor on the confidence head's output: lossless at any floor, and a floor
+    no confidence reaches verifies no draft at all."""
+    target, draft = engine_pair
+    with Engine(target, draft, n_ctx=512, n_batch=16, cross_ctx=64, n_threads=2) as engine:
+        prompt = engine.target.tokenize(PROMPT, add_special=False)
+        plain = engine.generate(prompt, max_tokens=40)
+        verified = []
+        for conf_min in (0.0, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0):
+            spec = engine.speculate(prompt, max_tokens=40, n_max=8, adaptive=False, conf_min=conf_min)
+            assert spec.tokens == plain.tokens, f"conf_min={conf_min}"
+            verified.append(spec.stats.drafted)
+        # some floor cuts part of what none cuts; the top one (the head's sigmoid stays below 1) all
+        assert any(0 < n < verified[0] for n in verified) and verified[-1] == 0, verified
+        with pytest.raises(ValueError, match="conf_min"):
+            engine.speculate(prompt, max_tokens=8, conf_min=-0.1)
+
+
 @pytest.mark.parametrize("options", [dict(temperature=0.8), dict(temperature=1.0, top_k=5)],
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_seeded_sampling_is_the_target_alones(engine_pair, options):
@@ -216,6 +234,13 @@ def test_llama_server_keeps_the_targets_replies(engine_pair, tmp_path):
 
     with Server(target, ctx_size=512, n_threads=2, log_file=tmp_path / "alone.log") as url:
         expected = [reply["content"] for reply in replies(url)]
+    # llama.cpp's fixed confidence floor, under its own flag: a floor no confidence reaches
+    args = ["--model-draft", str(draft), "--spec-type", SpecType(n_max=8, adaptive=False).flag(),
+            "--spec-draft-conf-min", "1"]
+    with Server(target, ctx_size=512, n_threads=2, log_file=tmp_path / "floor.log", extra_args=args) as url:
+        floored = replies(url)
+    assert [reply["content"] for reply in floored] == expected
+    assert sum(reply["timings"]["draft_n"] for reply in floored) == 0
     # ik_llama.cpp's and llama.cpp's names for it: the same speculation, the file says DSpark
     for name in ("dflash", "dspark", "draft-dspark"):
         args = ["--model-draft", str(draft), "--spec-type", SpecType(n_max=8).flag().replace("dflash", name),

@@ -248,10 +248,10 @@ def test_the_built_in_pairs_chat_defaults_apply_unless_overridden():
     builtin = parser.parse_args(["hi"])
     assert system_message(builtin) == "You are a helpful assistant."
     assert decoding_options(builtin) == {"n_max": None, "adaptive": True, "lookup": True, "confidence": False,
-                                         "repeat_penalty": 1.1}  # None: 4, or fewer
+                                         "conf_min": 0.0, "repeat_penalty": 1.1}  # None: 4, or fewer
     mine = parser.parse_args(["--repeat-penalty", "1.0", "--system", "Be brief.", "--no-adaptive", "hi"])
     assert system_message(mine) == "Be brief." and decoding_options(mine)["repeat_penalty"] == 1.0
     assert decoding_options(mine)["adaptive"] is False
     files = parser.parse_args(["--target", "t.gguf", "--draft", "d.gguf", "hi"])
     assert system_message(files) is None and decoding_options(files) == {"n_max": None, "adaptive": True, "lookup": True,
-                                                                         "confidence": False}
+                                                                         "confidence": False, "conf_min": 0.0}

@@ -265,6 +265,8 @@ def test_ctx_size_draft_sets_the_history(swa_pairs, tmp_path, flags):
     ("dflash:n_max=four", True, "n_max=four is not an integer"),
     ("dflash:min_accept=2", True, "min_accept must be a number in [0, 1], got '2'"),
     ("dflash:adaptive=2", True, "adaptive must be 0 or 1, got '2'"),
+    ("dflash:conf_min=1.5", True, "conf_min must be a number in [0, 1], got '1.5'"),
+    ("dflash", ["--spec-draft-conf-min", "-1"], "--spec-draft-conf-min: --spec-type dflash: conf_min must be a number"),
     ("dflash:n_max=-1", True, "n_max must be at least 1, got -1"),
     ("dflash:n_max=4", False, "--spec-type dflash needs the DFlash draft: pass it with --model-draft"),
     # 4 slots x 5 verification rows do not fit a batch of 16: an assert at the first busy step, before

@@ -348,16 +348,26 @@ py::dict parse_spec_options(const std::string & text) {
     if (named & DFLASH_SPEC_ADAPTIVE) out["adaptive"] = options.adaptive;
     if (named & DFLASH_SPEC_LOOKUP) out["lookup"] = options.lookup;
     if (named & DFLASH_SPEC_CONFIDENCE) out["confidence"] = options.confidence;
+    if (named & DFLASH_SPEC_CONF_MIN) out["conf_min"] = options.conf_min;
     return out;
 }
 
+// A confidence floor in [0, 1] (conf_min), or a ValueError.
+float check_conf_min(float conf_min) {
+    if (!(conf_min >= 0.0f && conf_min <= 1.0f)) {
+        throw py::value_error("conf_min must be in [0, 1], got " + std::to_string(conf_min));
+    }
+    return conf_min;
+}
+
 // The adaptive block length's controller on pass costs given, with no model: tests drive it with
-// acceptance patterns of their own. adaptive = false: the fixed block length.
+// acceptance patterns of their own. adaptive = false: the fixed block length. confidence_cut and
+// conf_min: how it uses the confidences proposed() is given (dflash_adapt_use_confidence).
 class BlockController {
 public:
     // draft_ms: a draft step's time for 1..n_max tokens proposed (one figure: the same for all).
     BlockController(int n_max, const std::vector<double> & pass_ms, const std::vector<double> & draft_ms,
-                    bool adaptive) : n_max_(n_max) {
+                    bool adaptive, bool confidence_cut, float conf_min) : n_max_(n_max) {
         if (n_max < 0 || n_max > DFLASH_MAX_VERIFY) {
             throw py::value_error("n_max must be in 0.." + std::to_string(DFLASH_MAX_VERIFY) + ", got " +
                                   std::to_string(n_max));
@@ -383,6 +393,7 @@ public:
             dflash_costs_observe_draft(costs_.get(), n, draft_ms[draft_ms.size() == 1 ? 0 : n - 1]);
         }
         adapt_.reset(dflash_adapt_init(adaptive ? costs_.get() : nullptr, n_max));
+        dflash_adapt_use_confidence(adapt_.get(), confidence_cut, check_conf_min(conf_min));
     }
 
     // others: (rows, tokens, draft_ms) the other sequences of the pass add to it (a server's slots).
@@ -488,9 +499,11 @@ public:
     }
 
     // lookup: the n-gram lookup's key length (0: no lookup beside the draft).
-    // confidence: each draft token's confidence sets how many are verified (adaptive only).
+    // confidence: each draft token's calibrated confidence sets how many are verified (adaptive
+    // only); conf_min: none from the first below it is.
     py::tuple generate(const std::vector<llama_token> & prompt, int max_tokens, int n_max, bool adaptive, int lookup,
-                       bool confidence, const dflash_sampling & sampling, std::optional<py::function> on_commit) {
+                       bool confidence, float conf_min, const dflash_sampling & sampling,
+                       std::optional<py::function> on_commit) {
         target_.check_tokens(prompt);
         if (max_tokens < 0) {
             throw py::value_error("max_tokens must be >= 0, got " + std::to_string(max_tokens));
@@ -520,7 +533,7 @@ public:
             looker.emplace(lookup, n_max);
         }
         dflash_engine_set_lookup(engine_, looker ? looker->plug() : nullptr);
-        dflash_engine_set_confidence(engine_, confidence);
+        dflash_engine_set_confidence(engine_, confidence, check_conf_min(conf_min));
         const int n = target_.exclusive([&] {
             return dflash_engine_generate(engine_, prompt.data(), (int) prompt.size(), max_tokens, n_max, adaptive,
                                           &sampling, out.data(), &stats, step_lengths.data(), &logprobs);
@@ -644,11 +657,15 @@ void bind_dflash(py::module_ & m) {
         .def("propose_with_confidence", &CrossContext::propose_with_confidence, py::arg("first_token"),
              py::arg("start"), py::arg("n"));
     py::class_<BlockController>(m, "BlockController")
-        .def(py::init<int, const std::vector<double> &, const std::vector<double> &, bool>(), py::arg("n_max"),
-             py::arg("pass_ms"), py::arg("draft_ms"), py::arg("adaptive") = true)
-        .def(py::init([](int n_max, const std::vector<double> & pass_ms, double draft_ms, bool adaptive) {
-                 return BlockController(n_max, pass_ms, std::vector<double>{draft_ms}, adaptive);
-             }), py::arg("n_max"), py::arg("pass_ms"), py::arg("draft_ms"), py::arg("adaptive") = true)
+        .def(py::init<int, const std::vector<double> &, const std::vector<double> &, bool, bool, float>(),
+             py::arg("n_max"), py::arg("pass_ms"), py::arg("draft_ms"), py::arg("adaptive") = true,
+             py::arg("confidence_cut") = true, py::arg("conf_min") = 0.0f)
+        .def(py::init([](int n_max, const std::vector<double> & pass_ms, double draft_ms, bool adaptive,
+                         bool confidence_cut, float conf_min) {
+                 return BlockController(n_max, pass_ms, std::vector<double>{draft_ms}, adaptive, confidence_cut,
+                                        conf_min);
+             }), py::arg("n_max"), py::arg("pass_ms"), py::arg("draft_ms"), py::arg("adaptive") = true,
+             py::arg("confidence_cut") = true, py::arg("conf_min") = 0.0f)
         .def("plan", &BlockController::plan, py::arg("n_limit"), py::arg("others") = py::none())
         .def("plan_offered", &BlockController::plan_offered, py::arg("n_limit"), py::arg("lookup"),
              py::arg("others") = py::none())
@@ -665,7 +682,8 @@ void bind_dflash(py::module_ & m) {
              py::arg("full_attention") = false, py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
         .def("close", &Engine::close)
         .def("generate", [](Engine & engine, const std::vector<llama_token> & prompt, int max_tokens, int n_max,
-                            bool adaptive, int lookup, bool confidence, float temperature, uint32_t seed, int top_k, float top_p, float min_p, float repeat_penalty,
+                            bool adaptive, int lookup, bool confidence, float conf_min, float temperature, uint32_t seed,
+                            int top_k, float top_p, float min_p, float repeat_penalty,
                             int repeat_last_n, int logprobs, std::optional<py::function> on_commit) {
                  dflash_sampling sampling = dflash_sampling_default();
                  sampling.temperature = temperature;
@@ -676,9 +694,10 @@ void bind_dflash(py::module_ & m) {
                  sampling.repeat_penalty = repeat_penalty;
                  sampling.repeat_last_n = repeat_last_n;
                  sampling.n_probs = logprobs;
-                 return engine.generate(prompt, max_tokens, n_max, adaptive, lookup, confidence, sampling, on_commit);
+                 return engine.generate(prompt, max_tokens, n_max, adaptive, lookup, confidence, conf_min, sampling,
+                                        on_commit);
              }, py::arg("prompt"), py::arg("max_tokens"), py::arg("n_max"), py::arg("adaptive") = true,
-             py::arg("lookup") = 0, py::arg("confidence") = false,
+             py::arg("lookup") = 0, py::arg("confidence") = false, py::arg("conf_min") = 0.0f,
              py::arg("temperature") = 0.0f,
              py::arg("seed") = 0, py::arg("top_k") = 0, py::arg("top_p") = 1.0f, py::arg("min_p") = 0.0f,
              py::arg("repeat_penalty") = 1.0f, py::arg("repeat_last_n") = 64, py::arg("logprobs") = 0,

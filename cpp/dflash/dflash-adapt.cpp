@@ -190,6 +190,8 @@ struct dflash_adapt {
     confidence_calibration calibration;    // the draft's tokens by their confidence
     cut_outcomes cut;                      // and what the cut by it made of draft steps
     bool confident = false;                // this request's draft steps come with confidences
+    bool cut_by_confidence = false;        // dflash_adapt_use_confidence's settings
+    float conf_min = 0.0f;
     std::vector<double> slow_hits, slow_seen;  // the draft's at k_slow_decay, kept across requests
     position_estimates lookup;             // the lookup's tokens (compared at every offer)
     std::vector<llama_token> offered;      // the lookup's offer for the coming step
@@ -480,7 +482,10 @@ struct dflash_adapt {
     // of these.
     int proposed(const llama_token * tokens, const float * confidence, int n) {
         n = std::clamp(n, 0, n_max);
-        const int as_planned = planned.lookup ? 0 : std::min((int) planned.n_verify, n);
+        // conf_min's floor: nothing from the first token below it is verified, whatever else says
+        const int most = confidence == nullptr ? n : (int) (std::find_if(confidence, confidence + n,
+                                                             [this](float c) { return c < conf_min; }) - confidence);
+        const int as_planned = planned.lookup ? 0 : std::min({(int) planned.n_verify, n, most});
         if (costs == nullptr || n == 0) {
             return as_planned;
         }
@@ -491,12 +496,12 @@ struct dflash_adapt {
             for (int j = 1; j <= n; ++j) {
                 p.predicted.push_back(calibration.acceptance(j, confidence[j - 1], acceptance(j)));
             }
-            if (!planned.lookup && !exploring && costs->scale_ms > 0.0) {
+            if (cut_by_confidence && !planned.lookup && !exploring && costs->scale_ms > 0.0) {
                 const auto q = [&p](int j) { return p.predicted[j - 1]; };
                 dflash_load::part beside = planned_beside;
                 beside.draft_ms = 0.0;  // every draft step before the pass has run by now
                 double best_rate = 0.0;
-                for (int m = 0; m <= n; ++m) {
+                for (int m = 0; m <= most; ++m) {
                     const double r = rate(m, q, 0.0, beside);
                     if (r > best_rate) {
                         verified = m;
@@ -603,6 +608,15 @@ dflash_adapt_plan dflash_adapt_plan_step_in(dflash_adapt * adapt, int n_limit, d
         load->seqs[seq] = adapt->costs != nullptr ? adapt->part_of(p) : dflash_load::part{p.n_verify + 1, 1.0, 0.0};
     }
     return p;
+}
+
+void dflash_adapt_use_confidence(dflash_adapt * adapt, bool calibrated_cut, float conf_min) {
+    adapt->cut_by_confidence = calibrated_cut && adapt->costs != nullptr;
+    adapt->conf_min = conf_min;
+}
+
+bool dflash_adapt_wants_confidence(const dflash_adapt * adapt) {
+    return adapt->cut_by_confidence || adapt->conf_min > 0.0f;
 }
 
 int dflash_adapt_proposed(dflash_adapt * adapt, const llama_token * tokens, const float * confidence, int n) {

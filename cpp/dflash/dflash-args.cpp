@@ -104,12 +104,15 @@ int dflash_parse_spec_options_named(const char * text, dflash_spec_options * opt
             } else if (key == "min_accept") {
                 options->min_accept = parse_fraction(key, value);
                 seen |= DFLASH_SPEC_MIN_ACCEPT;
+            } else if (key == "conf_min") {
+                options->conf_min = parse_fraction(key, value);
+                seen |= DFLASH_SPEC_CONF_MIN;
             } else if (key == "cross_ctx" || key == "dflash_cross_ctx") {
                 options->cross_ctx = (int32_t) parse_int(key, value, 0);  // 0: the slot's context
                 seen |= DFLASH_SPEC_CROSS_CTX;
             } else {
                 fail("--spec-type dflash: unknown key '%s' (known: n_max, n_min, p_min, cross_ctx, "
-                     "dflash_cross_ctx, full_attention, log_drafts, min_accept, adaptive, lookup, confidence)",
+                     "dflash_cross_ctx, full_attention, log_drafts, min_accept, adaptive, lookup, confidence, conf_min)",
                      key.c_str());
             }
         }

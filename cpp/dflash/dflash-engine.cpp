@@ -252,6 +252,7 @@ struct dflash_engine {
             adapt_fixed = !adaptive;
         }
         dflash_adapt_reset(adapt.get());
+        dflash_adapt_use_confidence(adapt.get(), confidence_cut, conf_min);
         return adapt.get();
     }
 
@@ -264,7 +265,8 @@ struct dflash_engine {
     dflash_commit_callback on_commit = nullptr;
     void * on_commit_data = nullptr;
     const dflash_lookup * lookup = nullptr;  // offered at every adaptive step
-    bool confidence = false;                 // adaptive steps cut drafts by their confidence
+    bool confidence_cut = false;             // adaptive steps cut drafts by their calibrated confidence
+    float conf_min = 0.0f;                   // no draft from the first below this is verified
 };
 
 // One call of dflash_engine_generate, as the steps of the algorithm: prefill the prompt, then
@@ -411,10 +413,10 @@ struct dflash_engine::generation {
         if (n == 0) {
             return plan.n_verify;
         }
-        const bool confident = e.confidence && !e.adapt_fixed;
-        confidence.resize(confident ? n : 0);
+        confidence.resize(dflash_adapt_wants_confidence(adapt) ? n : 0);
+        float * confidence_out = confidence.empty() ? nullptr : confidence.data();
         const double t0 = now_ms();
-        if (dflash_seq_draft(e.seq.get(), t, s, n, proposal.data(), confident ? confidence.data() : nullptr) != 0) {
+        if (dflash_seq_draft(e.seq.get(), t, s, n, proposal.data(), confidence_out) != 0) {
             fail("%s", dflash_last_error());
         }
         const double ms = now_ms() - t0;
@@ -422,7 +424,7 @@ struct dflash_engine::generation {
         if (e.costs) {
             dflash_costs_observe_draft(e.costs.get(), n, ms);
         }
-        return dflash_adapt_proposed(adapt, proposal.data(), confident ? confidence.data() : nullptr, n);
+        return dflash_adapt_proposed(adapt, proposal.data(), confidence_out, n);
     }
 
     // Verify [t, d_1..d_n] at s..s+n in one target pass; keep positions s..s+acc and undo the rest.
@@ -584,7 +586,10 @@ void dflash_engine_set_commit_callback(dflash_engine * engine, dflash_commit_cal
 
 void dflash_engine_set_lookup(dflash_engine * engine, const dflash_lookup * lookup) { engine->lookup = lookup; }
 
-void dflash_engine_set_confidence(dflash_engine * engine, bool on) { engine->confidence = on; }
+void dflash_engine_set_confidence(dflash_engine * engine, bool calibrated_cut, float conf_min) {
+    engine->confidence_cut = calibrated_cut;
+    engine->conf_min = conf_min;
+}
 
 dflash_sampling dflash_sampling_default(void) {
     dflash_sampling p{};

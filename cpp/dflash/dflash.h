@@ -200,11 +200,12 @@ DFLASH_API void dflash_seq_restore_state(const dflash_seq * seq);
 // the step verifies whichever buys the most tokens per millisecond, its k priced the same way with
 // no draft step, and the draft does not run when the lookup wins.
 //
-// Each draft token's confidence (its probability under the draft's softmax) is calibrated against
-// what the target kept, per position and confidence tenth. Once the draft has run, the step
-// verifies the leading part of its proposal with the most expected tokens per millisecond by
-// those calibrated chances: fewer than planned where the draft is unsure, more (up to what it
-// proposed) where it is sure.
+// Where the controller uses them (dflash_adapt_use_confidence), each draft token's confidence
+// (dflash_seq_draft) is calibrated against what the target kept, per position and confidence
+// tenth. Once the draft has run, the step verifies the leading part of its proposal with the most
+// expected tokens per millisecond by those calibrated chances: fewer than planned where the draft
+// is unsure, more (up to what it proposed) where it is sure. A fixed floor (conf_min, llama.cpp's
+// --spec-draft-conf-min) verifies nothing from the first token below it.
 //
 // Usage, per step of a sequence (the draft's cross-context is fed by every target pass anyway):
 //   dflash_adapt_offer_lookup(adapt, lookup_tokens, n);  // optional
@@ -293,12 +294,19 @@ DFLASH_API void dflash_load_free(dflash_load * load);
 DFLASH_API void dflash_load_set(dflash_load * load, int seq, int n_rows, double n_tokens, double draft_ms);
 DFLASH_API struct dflash_adapt_plan dflash_adapt_plan_step_in(dflash_adapt * adapt, int n_limit, dflash_load * load,
                                                               int seq);
+// How the controller uses each draft token's confidence: calibrated_cut (adaptive controllers
+// only) lets it set how many are verified, as above; conf_min > 0 verifies no token from the first
+// whose confidence is below it, in either kind of controller. Both off at init; reset keeps them.
+DFLASH_API void dflash_adapt_use_confidence(dflash_adapt * adapt, bool calibrated_cut, float conf_min);
+// Whether the controller reads confidences: pass them to dflash_adapt_proposed then (NULL
+// otherwise, and the draft computes none).
+DFLASH_API bool dflash_adapt_wants_confidence(const dflash_adapt * adapt);
 // The tokens the draft proposed for the positions after the current token, and each one's
-// confidence (its probability under the draft's softmax; NULL: none). Returns how many of them the
-// step verifies: plan.n_verify, or with confidences the leading part with the most expected
-// tokens per millisecond, each token expected to be kept as often as the draft's tokens at its
-// position and confidence have been (calibrated as the run goes). 0 after a plan that verifies
-// the lookup's tokens.
+// confidence (NULL: none). Returns how many of them the step verifies: plan.n_verify, or with
+// confidences and the calibrated cut the leading part with the most expected tokens per
+// millisecond, each token expected to be kept as often as the draft's tokens at its position and
+// confidence have been (calibrated as the run goes); never a token from the first below conf_min.
+// 0 after a plan that verifies the lookup's tokens.
 DFLASH_API int  dflash_adapt_proposed(dflash_adapt * adapt, const llama_token * tokens, const float * confidence, int n);
 // A proposal that costs no draft step (the n-gram lookup below) for the positions after the
 // current token, offered before the step is planned. The next plan verifies its first k tokens
@@ -421,15 +429,17 @@ DFLASH_API void dflash_engine_set_commit_callback(dflash_engine * engine, dflash
 // The lookup the engine's next adaptive generations offer the controller at every step (NULL:
 // none). The caller keeps it alive meanwhile.
 DFLASH_API void dflash_engine_set_lookup(dflash_engine * engine, const dflash_lookup * lookup);
-// Whether the engine's next adaptive generations let each draft token's confidence set how many
-// are verified (dflash_adapt_proposed; default off). Off, the draft computes no confidences.
-DFLASH_API void dflash_engine_set_confidence(dflash_engine * engine, bool on);
+// How the engine's next generations use each draft token's confidence (dflash_adapt_use_confidence:
+// the calibrated cut, adaptive generations only; conf_min, any). Default neither: the draft then
+// computes no confidences.
+DFLASH_API void dflash_engine_set_confidence(dflash_engine * engine, bool calibrated_cut, float conf_min);
 
 // --- command line --------------------------------------------------------------------------------
 
 // What `--spec-type dflash:k=v,...` sets. Keys, as ik_llama.cpp spells them: n_max, n_min,
-// p_min, cross_ctx (alias dflash_cross_ctx); ours: full_attention, log_drafts, adaptive (0/1),
-// min_accept, lookup (0/1). cross_ctx 0 means "follow the context size".
+// p_min, cross_ctx (alias dflash_cross_ctx); llama.cpp's: conf_min; ours: full_attention,
+// log_drafts, adaptive (0/1), min_accept, lookup (0/1), confidence (0/1). cross_ctx 0 means
+// "follow the context size".
 typedef struct dflash_spec_options dflash_spec_options;
 struct dflash_spec_options {
     int32_t n_max;
@@ -442,6 +452,7 @@ struct dflash_spec_options {
     bool    adaptive;        // ours: each step verifies as many of up to n_max drafts as pay (default on)
     bool    lookup;          // ours: an n-gram lookup proposes beside the draft (default on; adaptive only)
     bool    confidence;      // ours: each draft token's confidence sets how many are verified (default off; adaptive only)
+    float   conf_min;        // llama.cpp's: no draft token from the first whose confidence is below this is verified (0: none)
 };
 
 // Parse the part after "dflash:" into options (fields not named keep their values). Returns 0,
@@ -454,7 +465,7 @@ enum {
     DFLASH_SPEC_N_MAX = 1 << 0, DFLASH_SPEC_N_MIN = 1 << 1, DFLASH_SPEC_P_MIN = 1 << 2,
     DFLASH_SPEC_CROSS_CTX = 1 << 3, DFLASH_SPEC_FULL_ATTENTION = 1 << 4, DFLASH_SPEC_LOG_DRAFTS = 1 << 5,
     DFLASH_SPEC_MIN_ACCEPT = 1 << 6, DFLASH_SPEC_ADAPTIVE = 1 << 7, DFLASH_SPEC_LOOKUP = 1 << 8,
-    DFLASH_SPEC_CONFIDENCE = 1 << 9,
+    DFLASH_SPEC_CONFIDENCE = 1 << 9, DFLASH_SPEC_CONF_MIN = 1 << 10,
 };
 DFLASH_API int dflash_parse_spec_options_named(const char * text, dflash_spec_options * options, uint32_t * named);
 

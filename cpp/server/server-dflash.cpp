@@ -149,6 +149,8 @@ bool server_context::init_dflash_slot(server_slot & slot, int32_t cross_ctx) {
         SRV_ERR("dflash: %s\n", dflash_last_error());
         return false;
     }
+    dflash_adapt_use_confidence(slot.dflash_adapt, params_base.speculative.dflash_confidence,
+                                params_base.speculative.dflash_conf_min);
     if (params_base.speculative.dflash_lookup && costs_dflash != nullptr) {
         slot.dflash_lookup = std::make_unique<ngram_lookup>(ngram_lookup::default_key_size, n_max);
     }
@@ -207,7 +209,7 @@ llama_tokens server_context::dflash_run_draft(server_slot & slot, int n) {
     if (n == 0) {
         return draft;
     }
-    std::vector<float> confidence(costs_dflash && params_base.speculative.dflash_confidence ? n : 0);
+    std::vector<float> confidence(dflash_adapt_wants_confidence(slot.dflash_adapt) ? n : 0);
     float * confidence_out = confidence.empty() ? nullptr : confidence.data();
     const int64_t t_start_us = ggml_time_us();
     if (dflash_seq_draft(slot.dflash, slot.sampled, slot.cache_tokens.pos_next(), n, draft.data(), confidence_out) != 0) {

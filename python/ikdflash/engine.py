@@ -227,20 +227,23 @@ class Engine:
 
     @overload
     def speculate(self, prompt: str | Sequence[int], *, stream: Literal[False] = ..., max_tokens: int = ..., n_max: int = ...,
-                  adaptive: bool = ..., lookup: bool = ..., confidence: bool = ..., stop: Sequence[str] = ...,
+                  adaptive: bool = ..., lookup: bool = ..., confidence: bool = ..., conf_min: float = ...,
+                  stop: Sequence[str] = ...,
                   temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
                   repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
                   ) -> SpeculationResult: ...
 
     @overload
     def speculate(self, prompt: str | Sequence[int], *, stream: Literal[True], max_tokens: int = ..., n_max: int = ...,
-                  adaptive: bool = ..., lookup: bool = ..., confidence: bool = ..., stop: Sequence[str] = ...,
+                  adaptive: bool = ..., lookup: bool = ..., confidence: bool = ..., conf_min: float = ...,
+                  stop: Sequence[str] = ...,
                   temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
                   repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
                   ) -> TextStream[SpeculationResult]: ...
 
     def speculate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int | None = None,
-                  adaptive: bool = True, lookup: bool = True, confidence: bool = False, stop: Sequence[str] = (),
+                  adaptive: bool = True, lookup: bool = True, confidence: bool = False, conf_min: float = 0.0,
+                  stop: Sequence[str] = (),
                   stream: bool = False,
                   temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
                   min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
@@ -256,7 +259,8 @@ class Engine:
         are expected to pay more (adaptive only; docs/design.md, "N-gram lookup"). ``confidence``:
         each draft token's confidence, calibrated as the run goes, sets how many of a step's drafts
         are verified (adaptive only; off by default, as it has not paid on a CPU yet;
-        docs/design.md, "Confidence").
+        docs/design.md, "Confidence"). ``conf_min``: no draft token from the first whose
+        confidence is below it is verified (llama.cpp's --spec-draft-conf-min; 0: none).
         ``stop``: strings that end the text (not included).
         ``stream=True``: a TextStream of text pieces instead, as stream() returns. The sampling
         keywords are Sampling's."""
@@ -267,7 +271,8 @@ class Engine:
             n_max = rules.n_max(n_max, _core.LOOKUP_MAX_RUN, most_is="what a step verifies without a draft")
         else:
             n_max = rules.n_max(n_max, self.max_proposal)
-        return self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, stream, adaptive, lookup, confidence)
+        return self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, stream, adaptive, lookup, confidence,
+                         conf_min)
 
     @overload
     def generate(self, prompt: str | Sequence[int], *, stream: Literal[False] = ..., max_tokens: int = ..., stop: Sequence[str] = ...,
@@ -293,7 +298,8 @@ class Engine:
     @overload
     def chat(self, messages: Sequence[Mapping[str, str] | tuple[str, str]], *, stream: Literal[False] = ...,
                   max_tokens: int = ..., n_max: int = ...,
-                  adaptive: bool = ..., lookup: bool = ..., confidence: bool = ..., stop: Sequence[str] = ...,
+                  adaptive: bool = ..., lookup: bool = ..., confidence: bool = ..., conf_min: float = ...,
+                  stop: Sequence[str] = ...,
                   temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
                   repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
                   ) -> SpeculationResult: ...
@@ -301,14 +307,15 @@ class Engine:
     @overload
     def chat(self, messages: Sequence[Mapping[str, str] | tuple[str, str]], *, stream: Literal[True],
                   max_tokens: int = ..., n_max: int = ...,
-                  adaptive: bool = ..., lookup: bool = ..., confidence: bool = ..., stop: Sequence[str] = ...,
+                  adaptive: bool = ..., lookup: bool = ..., confidence: bool = ..., conf_min: float = ...,
+                  stop: Sequence[str] = ...,
                   temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
                   repeat_penalty: float = ..., repeat_last_n: int = ..., seed: int = ..., logprobs: int = ...,
                   ) -> TextStream[SpeculationResult]: ...
 
     def chat(self, messages: Sequence[Mapping[str, str] | tuple[str, str]], *, max_tokens: int = 256,
              n_max: int | None = None, adaptive: bool = True, lookup: bool = True, confidence: bool = False,
-             stop: Sequence[str] = (), stream: bool = False,
+             conf_min: float = 0.0, stop: Sequence[str] = (), stream: bool = False,
              temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
              min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
              repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
@@ -320,7 +327,7 @@ class Engine:
         sampling = Sampling.of(locals())
         n_max = rules.n_max(n_max, self.max_proposal, zero_is_target_alone=True) if self.draft else 0
         return self._run(self.chat_tokens(messages), max_tokens, n_max, sampling, stop, stream, adaptive, lookup,
-                         confidence)
+                         confidence, conf_min)
 
     def chat_tokens(self, messages: Sequence[Mapping[str, str] | tuple[str, str]]) -> list[int]:
         """The prompt chat() sends: the conversation in the target's template, ready for its reply."""
@@ -332,7 +339,8 @@ class Engine:
         return self.target.tokenize(text, add_special=False, parse_special=True)
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, n_max: int | None = None,
-               adaptive: bool = True, lookup: bool = True, confidence: bool = False, stop: Sequence[str] = (),
+               adaptive: bool = True, lookup: bool = True, confidence: bool = False, conf_min: float = 0.0,
+                  stop: Sequence[str] = (),
                temperature: float = _S.temperature, top_k: int = _S.top_k, top_p: float = _S.top_p,
                min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
                repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
@@ -345,18 +353,20 @@ class Engine:
                 raise ValueError("this engine has no draft: stream with n_max=0")
             n_max = 0
         n_max = rules.n_max(n_max, self.max_proposal, zero_is_target_alone=True)
-        stream = self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, True, adaptive, lookup, confidence)
+        stream = self._run(prompt, max_tokens, n_max, Sampling.of(locals()), stop, True, adaptive, lookup, confidence,
+                           conf_min)
         assert isinstance(stream, TextStream)
         return stream
 
     def _run(self, prompt: str | Sequence[int], max_tokens: int, n_max: int, sampling: Sampling,
              stop: Sequence[str], stream: bool, adaptive: bool = False, lookup: bool = False,
-             confidence: bool = False) -> SpeculationResult | TextStream[SpeculationResult]:
+             confidence: bool = False, conf_min: float = 0.0) -> SpeculationResult | TextStream[SpeculationResult]:
         if self._native is None:
             raise ValueError("the engine is closed")
         for name, flag in (("adaptive", adaptive), ("lookup", lookup), ("confidence", confidence)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
+        rules.conf_min(conf_min)
         key_size = _core.LOOKUP_KEY_SIZE if lookup and adaptive else 0
         rules.max_tokens(max_tokens)
         tokens = self.target.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
@@ -364,8 +374,8 @@ class Engine:
         options = dataclasses.asdict(sampling)
 
         def run(on_commit):
-            return self._native.generate(tokens, max_tokens, n_max, adaptive, key_size, confidence, on_commit=on_commit,
-                                         **options)
+            return self._native.generate(tokens, max_tokens, n_max, adaptive, key_size, confidence, conf_min,
+                                         on_commit=on_commit, **options)
 
         finish = functools.partial(_result, with_logprobs=sampling.logprobs > 0)
         if stream:

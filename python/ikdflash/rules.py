@@ -82,6 +82,12 @@ def min_p(value: float, name: str = "min_p") -> float:
     return value
 
 
+def conf_min(value: float, name: str = "conf_min") -> float:
+    if not 0 <= value <= 1:
+        _refuse(name, "in [0, 1] (0: off)", value)
+    return value
+
+
 def seed(value: int, name: str = "seed") -> int:
     """A 32-bit seed; -1 draws a random one (returned)."""
     if not SEED_RANDOM <= _integer(name, value) <= UINT32_MAX:

@@ -102,10 +102,11 @@ class BlockController:
     """The adaptive block length's controller (dflash_adapt) on pass costs given, with no model:
     pass_ms[r - 1] is a target pass over r rows (r = 1..n_max + 1 at least; more for passes shared
     with other sequences), draft_ms a draft step: one time for any number of tokens proposed, or
-    draft_ms[n - 1] for n = 1..n_max tokens."""
+    draft_ms[n - 1] for n = 1..n_max tokens. confidence_cut and conf_min: how it uses the
+    confidences proposed() is given (the calibrated cut, adaptive only; the fixed floor)."""
 
     def __init__(self, n_max: int, pass_ms: list[float], draft_ms: float | list[float],
-                 adaptive: bool = True) -> None: ...
+                 adaptive: bool = True, confidence_cut: bool = True, conf_min: float = 0.0) -> None: ...
     def plan(self, n_limit: int, others: tuple[int, float, float] | None = None) -> tuple[int, int]:
         """(tokens the draft proposes, of which verified) for the next step; others: the (rows,
         expected tokens, draft ms) other sequences add to the same pass (dflash_adapt_plan_step_in)."""
@@ -138,7 +139,7 @@ class Engine:
 
     def __init__(self, target: Model, draft: Draft | None, cross_ctx: int, full_attention: bool = False) -> None: ...
     def generate(self, prompt: list[int], max_tokens: int, n_max: int, adaptive: bool = True, lookup: int = 0,
-                 confidence: bool = False, temperature: float = 0.0, seed: int = 0,
+                 confidence: bool = False, conf_min: float = 0.0, temperature: float = 0.0, seed: int = 0,
                  top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0,
                  repeat_last_n: int = 64, logprobs: int = 0,
                  on_commit: Callable[[list[int]], bool | None] | None = None,

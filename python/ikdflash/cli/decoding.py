@@ -25,8 +25,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_proposal_arguments(parser: argparse.ArgumentParser) -> None:
-    """--lookup and --confidence, and their --no- forms, for every command that speculates
-    (generate, chat, serve)."""
+    """--lookup and --confidence (and their --no- forms) and --conf-min, for every command that
+    speculates (generate, chat, serve)."""
     parser.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
                         help="an n-gram lookup over the prompt and the reply proposes beside the draft, verified "
                              "where it pays more (default; adaptive only); --no-lookup: the draft alone")
@@ -34,6 +34,9 @@ def add_proposal_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each draft token's confidence, calibrated against what the target keeps, sets how "
                              "many of a step's drafts are verified (adaptive only; default off: it has not paid "
                              "on a CPU yet)")
+    parser.add_argument("--conf-min", type=float, default=0.0,
+                        help="no draft token from the first whose confidence is below this is verified (0..1; "
+                             "default 0: none; llama.cpp's --spec-draft-conf-min)")
 
 
 def check_engine_options(args: argparse.Namespace) -> None:
@@ -55,7 +58,7 @@ def decoding_options(args: argparse.Namespace) -> dict:
     if "seed" in options:
         options["seed"] = sampling.seed  # -1 drawn once, so that every run of the command shares it
     return {"n_max": args.n_max, "adaptive": args.adaptive, "lookup": args.lookup, "confidence": args.confidence,
-            **options}
+            "conf_min": rules.conf_min(args.conf_min, "--conf-min"), **options}
 
 
 def system_message(args: argparse.Namespace) -> str | None:

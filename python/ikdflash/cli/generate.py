@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 system = system_message(args)
                 tokens = engine.chat_tokens(([("system", system)] if system else []) + [("user", prompt)])
-            alone_options = {k: v for k, v in options.items() if k not in ("n_max", "adaptive", "lookup", "confidence")}
+            alone_options = {k: v for k, v in options.items() if k not in ("n_max", "adaptive", "lookup", "confidence", "conf_min")}
             alone_options.update(n_max=0, adaptive=False)
             stop = args.stop or ()
             if alone is not None:

@@ -90,7 +90,8 @@ def say(message: str) -> None:
 def build_server(args: argparse.Namespace) -> Server:
     spec = SpecType(n_max=args.n_max, cross_ctx=args.cross_ctx, full_attention=args.full_attention,
                     min_accept=args.min_accept, adaptive=None if args.adaptive else False,
-                    lookup=None if args.lookup else False, confidence=args.confidence)
+                    lookup=None if args.lookup else False, confidence=args.confidence,
+                    conf_min=args.conf_min or None)
     extra = ["--model-draft", str(args.draft.resolve()), "--spec-type", spec.flag()]
     if args.parallel != 1:
         extra += ["--parallel", str(args.parallel)]

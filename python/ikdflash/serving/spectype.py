@@ -40,6 +40,7 @@ class SpecType:
     adaptive: bool | None = None  # verify as many drafts as pay each step (None: the server's default, on)
     lookup: bool | None = None  # an n-gram lookup proposes beside the draft (None: the server's default, on)
     confidence: bool = False  # each draft token's confidence sets how many are verified
+    conf_min: float | None = None  # no draft token from the first below this confidence is verified
 
     def __post_init__(self) -> None:
         _parsed(self.flag())  # the server's parser checks every value
