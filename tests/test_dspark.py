@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from ikdflash import Engine, Server, _core
+from ikdflash import Engine, Server, _core, build_info
 from ikdflash.convert import ConversionError, convert
 from ikdflash.serving.client import post_json
 from ikdflash.serving.spectype import SpecType
@@ -212,6 +212,20 @@ def test_conf_min_cuts_by_the_confidence_head(engine_pair):
         assert any(0 < n < verified[0] for n in verified) and verified[-1] == 0, verified
         with pytest.raises(ValueError, match="conf_min"):
             engine.speculate(prompt, max_tokens=8, conf_min=-0.1)
+
+
+def test_the_draft_runs_where_the_target_keeps_its_head(engine_pair):
+    """With the target's layers offloaded the draft follows its head onto the GPU, the Markov
+    chain and the confidence head with it, and speculation stays the target alone's; a CPU build
+    runs both cases on the CPU."""
+    target, draft = engine_pair
+    gpu = "CUDA0" if "CUDA" in build_info()["backends"] else "CPU"
+    for n_gpu_layers, expected in ((0, "CPU"), (99, gpu)):
+        with Engine(target, draft, n_ctx=256, n_batch=16, n_gpu_layers=n_gpu_layers) as engine:
+            assert engine.draft_device == expected
+            plain = engine.generate(PROMPT, max_tokens=24)
+            spec = engine.speculate(PROMPT, max_tokens=24, n_max=8, adaptive=False, conf_min=0.2)
+            assert spec.tokens == plain.tokens and spec.stats.drafted > 0
 
 
 @pytest.mark.parametrize("options", [dict(temperature=0.8), dict(temperature=1.0, top_k=5)],
