@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from ikdflash import _core  # noqa: E402
+from ikdflash import Engine, _core  # noqa: E402
 from ikdflash.cli import main  # noqa: E402
 from fixtures.tinydraft import write_hf_target  # noqa: E402
 
@@ -32,6 +32,7 @@ def write_corpus(path, n: int, seed: int = 0):
 
 DFLASH2 = {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 6}
 DFLASH2_FLAGS = ["--arch", "dflash2", "--conv-kernel-size", "3", "--selector-rank", "8", "--selector-top-k", "6"]
+DSPARK_FLAGS = ["--arch", "dspark", "--markov-rank", "8"]
 
 
 def with_flags(argv, **values):
@@ -443,6 +444,44 @@ def test_a_dflash1_draft_grows_into_dflash2_proposing_what_it_did(trained, targe
     one, two = same_step(target, run / "draft.gguf", tmp_path / "grown" / "draft.gguf")
     assert (one["format"], two["format"]) == ("dflash-draft", "dflash")
     assert two["dflash2"] == DFLASH2
+
+
+def test_a_dflash1_draft_grows_into_dspark_proposing_what_it_did(trained, target, tmp_path):
+    """--arch dspark --init DFLASH1.gguf: the Markov head's W2 starts at 0, so the fork's DSpark
+    export (SpecForge's layout, rows 1.. proposing) computes the DFlash1 draft's logits and
+    proposes its tokens; its confidence head starts at 1/2."""
+    run, argv = trained
+    assert main(from_trained_draft(run, argv, tmp_path / "grown") + DSPARK_FLAGS) == 0
+    one, two = same_step(target, run / "draft.gguf", tmp_path / "grown" / "draft.gguf")
+    assert one["dspark"] is None
+    assert two["dspark"] == {"markov_rank": 8, "confidence_width": 64 + 8, "anchor_first": 0, "window_from_block": 0}
+
+
+def test_a_dspark_run_trains_its_heads_and_speculates_losslessly(trained, target, tmp_path, capsys):
+    """A DSpark run from the DFlash1 draft lowers its loss; its GGUF starts a further run (its
+    heads read back); the fork speculates with it exactly as the target alone, its confidence
+    head's output steering by conf_min, and the trained head tells its rows apart."""
+    run, argv = trained
+    out = tmp_path / "dspark"
+    assert main(with_flags(from_trained_draft(run, argv, out), max_steps=30, lr="3e-3") + DSPARK_FLAGS) == 0
+    history = json.loads((out / "report.json").read_text())["history"]
+    assert history[-1][2] < history[0][2]
+    again = tmp_path / "again"
+    assert main(with_flags(from_trained_draft(run, argv, again), init=out / "draft.gguf") + DSPARK_FLAGS) == 0
+    same_step(target, out / "draft.gguf", again / "draft.gguf")
+    model = _core.Model(str(target), n_ctx=256)
+    draft = _core.Draft(model, str(out / "draft.gguf"))
+    cache = _core.CrossContext(draft, 64)
+    features = np.random.default_rng(5).standard_normal((24, draft.info()["n_target_features"])).astype(np.float32)
+    cache.append(features, np.arange(24, dtype=np.int32))
+    _, confidence = cache.propose_with_confidence(65, 24, draft.info()["max_proposal"])
+    assert np.std(confidence) > 1e-3 and all(0 < c < 1 for c in confidence)
+    del cache, draft
+    model.close()
+    with Engine(target, out / "draft.gguf", n_ctx=512) as engine:
+        plain = engine.generate("the quick brown fox", max_tokens=32)
+        for options in (dict(confidence=True), dict(adaptive=False, conf_min=0.5)):
+            assert engine.speculate("the quick brown fox", max_tokens=32, n_max=4, **options).tokens == plain.tokens
 
 
 def test_a_dflash2_run_trains_its_selector_and_the_fork_computes_the_reference(trained, target, tmp_path, capsys):

@@ -57,12 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--system", help="a system message first in every conversation (default: the chat "
                       "template's own; SmolLM2's makes the model end most first answers at once)")
     draft = parser.add_argument_group("draft")
-    draft.add_argument("--arch", choices=("dflash", "dflash2"), default="dflash",
-                       help="dflash2 adds each layer's in-block convolutions and the candidate selector (default "
-                            "dflash); --init with a DFlash1 draft grows it, proposing what it did at step 0")
+    draft.add_argument("--arch", choices=("dflash", "dflash2", "dspark"), default="dflash",
+                       help="dflash2 adds each layer's in-block convolutions and the candidate selector; dspark a "
+                            "confidence head, and a Markov head with --markov-rank (default dflash); --init with a "
+                            "DFlash1 draft grows it, proposing what it did at step 0")
     for name, default in DFLASH2_DEFAULTS.items():
         draft.add_argument("--" + name.replace("_", "-"), type=int, default=default,
                            help=f"with --arch dflash2 (default {default})")
+    draft.add_argument("--markov-rank", type=int, default=0,
+                       help="with --arch dspark: the Markov head's rank (default 0: none; each proposing row then "
+                            "costs a rank x head-vocab product more)")
     draft.add_argument("--layers", type=int, default=DEFAULTS["layers"], help="draft layers (default 2)")
     # "seed", this layout's earlier name, still reads as last-full (run folders record their flags)
     draft.add_argument("--layout", choices=("last-full", "all-sliding"), default=DEFAULTS["layout"],
@@ -94,6 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fit.add_argument("--head-vocab", type=int, default=DEFAULTS["head_vocab"],
                      help="train the head's softmax over the N most used ids (0: all; default 16384); "
                           "--init DRAFT with a head of N ids keeps its ids")
+    fit.add_argument("--confidence-weight", type=float, default=1.0,
+                     help="with --arch dspark: its confidence head's loss against its token loss (default 1)")
     fit.add_argument("--lr", type=float, default=6e-4)
     fit.add_argument("--batch-sequences", type=int, default=4,
                      help="sequences a step (48 anchors each; default 4: a CPU's size; a GPU wants more)")

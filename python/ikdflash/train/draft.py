@@ -9,9 +9,11 @@ rows, never another block's.
 
 A DFlash2 draft (cfg.dflash2) adds, in every layer, a causal convolution over each block's rows
 around attention and around the MLP, and the candidate selector after the head (docs/dflash.md).
+A DSpark draft (cfg.dspark) adds a confidence head, and a Markov head with a rank.
 
 The checkpoint this writes (config.json + model.safetensors) is a DFlashDraftModel (or
-DFlash2DraftModel) that the reference package loads and `ikdflash convert` turns into a GGUF.
+DFlash2DraftModel) that the reference package loads and `ikdflash convert` turns into a GGUF; a
+DSpark draft's is in SpecForge's layout, which the converter reads.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch.nn import functional as F
 
 from ikdflash.convert import DFLASH1_LAYOUT, DFLASH2_LAYOUT, Layout, global_tensors, layer_tensors
 from ikdflash.gguf_files import open_gguf, read_draft_header, tensor_values
+from ikdflash.sources.dspark_layouts import DSPARK_TENSORS
 from ikdflash.sources.hf import write_tensors
 
 
@@ -54,12 +57,18 @@ class DraftConfig:
     head_token_ids: list[int] | None = None    # the ids the head scores (None: all); set by training
     # DFlash2: conv_kernel_size, conv_group_size, selector_rank, selector_top_k (None: DFlash1)
     dflash2: dict[str, int] | None = None
+    # DSpark: markov_rank (0: no Markov head); it always has a confidence head (None: not DSpark)
+    dspark: dict[str, int] | None = None
 
     @property
     def n_layer(self) -> int:
         return len(self.layer_types)
 
     def __post_init__(self) -> None:
+        if self.dflash2 and self.dspark:
+            raise ValueError("a draft is DFlash2 or DSpark, not both")
+        if self.dspark and self.dspark["markov_rank"] < 0:
+            raise ValueError(f"--markov-rank must be at least 0, got {self.dspark['markov_rank']}")
         if self.dflash2 and self.hidden_size % self.dflash2["conv_group_size"]:
             raise ValueError(f"--conv-group-size {self.dflash2['conv_group_size']} does not divide the hidden size "
                              f"{self.hidden_size}")
@@ -68,9 +77,11 @@ class DraftConfig:
         return self.layer_types[il] == "sliding_attention"
 
     def hf_config(self) -> dict:
-        """config.json of a DFlashDraftModel (qwen3 layers), as the reference reads it."""
+        """config.json of a DFlashDraftModel (qwen3 layers), as the reference reads it; a DSpark
+        draft's in SpecForge's layout (DSpark's settings in dflash_config)."""
+        arch = "DFlash2DraftModel" if self.dflash2 else "DSparkDraftModel" if self.dspark else "DFlashDraftModel"
         return {
-            "architectures": ["DFlash2DraftModel" if self.dflash2 else "DFlashDraftModel"], "model_type": "qwen3",
+            "architectures": [arch], "model_type": "qwen3",
             "hidden_size": self.hidden_size, "num_hidden_layers": self.n_layer,
             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim, "intermediate_size": self.intermediate_size, "hidden_act": "silu",
@@ -82,9 +93,16 @@ class DraftConfig:
             "num_target_layers": self.num_target_layers, "block_size": self.block_size,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
                               **({"head_token_ids": self.head_token_ids} if self.head_token_ids else {}),
-                              **(self.dflash2 or {})},
+                              **(self.dflash2 or {}), **self._dspark_settings()},
             "ikdflash_train": self.extra,
         }
+
+    def _dspark_settings(self) -> dict:
+        if not self.dspark:
+            return {}
+        rank = self.dspark["markov_rank"]
+        return {"projector_type": "dspark", "markov_rank": rank, "markov_head_type": "vanilla",
+                "enable_confidence_head": True, "confidence_head_with_markov": rank > 0}
 
     def to_json(self) -> dict:
         """The architecture, without the notes (a resumed run must match it exactly)."""
@@ -278,8 +296,11 @@ class DraftModel(nn.Module):
             for conv in (layer.attention_conv, layer.mlp_conv):
                 if conv is not None:
                     nn.init.zeros_(conv.kernel_projection.weight)
-        # made after the loop above: its own initialisation stands
+        # made after the loop above: their own initialisation stands
         self.candidate_selector = CandidateSelector(cfg) if cfg.dflash2 else None
+        rank = cfg.dspark["markov_rank"] if cfg.dspark else 0
+        self.markov_head = MarkovHead(cfg.vocab_size, rank) if rank else None
+        self.confidence_head = ConfidenceHead(d + rank) if cfg.dspark else None
 
     def hidden(self, features: torch.Tensor, block_tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Final normed hidden states of every block row: [S, A*B, d]."""
@@ -295,6 +316,30 @@ class DraftModel(nn.Module):
     def trainable_tensors(self) -> dict[str, np.ndarray]:
         """The weights under the reference's names (embedding and head excluded: borrowed)."""
         return {reference_name(name): value.detach().cpu().numpy() for name, value in self.state_dict().items()}
+
+
+class MarkovHead(nn.Module):
+    """DSpark's low-rank bias on a row's logits from the token before it: W2 . W1[previous]. W2
+    starts at 0, so a grown draft first proposes what it did; W1 at random, so that W2's first
+    gradients are not 0."""
+
+    def __init__(self, vocab_size: int, rank: int) -> None:
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        nn.init.normal_(self.markov_w1.weight, std=0.02)
+        nn.init.zeros_(self.markov_w2.weight)
+
+
+class ConfidenceHead(nn.Module):
+    """DSpark's estimate that the target keeps a row's token: a logit from the row's hidden state
+    (and its previous token's W1 row with a Markov head); it starts at 0, a probability of 1/2."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, 1)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
 
 
 def reference_name(name: str) -> str:
@@ -375,6 +420,10 @@ def is_dflash2_weight(name: str) -> bool:
     return "_conv." in name or name.startswith("candidate_selector.")
 
 
+def is_dspark_weight(name: str) -> bool:
+    return name.startswith(("markov_head.", "confidence_head."))
+
+
 @dataclass
 class DraftFile:
     """What a draft GGUF says of itself, in either layout (as the fork reads it)."""
@@ -411,7 +460,8 @@ def init_from_draft(model: DraftModel, path: str | Path) -> None:
     seeing context it never learnt from, so expect a dip before training pays. Its head's cut, if
     any, becomes the model's cfg.head_token_ids (training keeps it when asked for as many ids). A
     DFlash1 draft starts a DFlash2 model too: its convolutions and selector keep their neutral
-    start (BlockConv, CandidateSelector), so it proposes what the DFlash1 draft did."""
+    start (BlockConv, CandidateSelector), so it proposes what the DFlash1 draft did, and a DSpark
+    model too: heads the file lacks keep theirs (MarkovHead, ConfidenceHead)."""
     source = read_draft_file(path)
     cfg = model.cfg
     n_theirs = source.n_layer
@@ -438,11 +488,14 @@ def init_from_draft(model: DraftModel, path: str | Path) -> None:
     gguf_names = global_tensors(layout, dflash2) | {
         f"layers.{il + n_new}.{hf}": f"blk.{il}.{gguf_name}"
         for il in range(n_theirs) for hf, gguf_name in layer_tensors(layout, dflash2).items()}
+    found = {t.name: t for t in source.reader.tensors}
+    # a draft without DSpark's heads (or some of them) grows: those it lacks keep their neutral start
+    gguf_names |= {hf: name for hf, name in DSPARK_TENSORS.items() if name in found}
     state = model.state_dict()
     new_layers = tuple(f"layers.{il}." for il in range(n_new))
     ours_by_gguf = {gguf_names[reference_name(name)]: name for name in state
-                    if not name.startswith(new_layers) and (dflash2 or not is_dflash2_weight(name))}
-    found = {t.name: t for t in source.reader.tensors}
+                    if not name.startswith(new_layers) and (dflash2 or not is_dflash2_weight(name))
+                    and (not is_dspark_weight(name) or reference_name(name) in gguf_names)}
     missing = sorted(set(ours_by_gguf) - set(found))
     if missing:
         raise ValueError(f"draft {path}: no tensor {', '.join(missing[:3])}")

@@ -54,6 +54,7 @@ class TrainSettings:
     labels: str = "target"
     off_path_weight: float = 1.0   # "target" labels past the first place the text leaves the target's path
     soft_labels: float = 0.0       # share of each position's loss on the target's top tokens (0: greedy label only)
+    confidence_weight: float = 1.0  # a DSpark draft's confidence loss against its token loss
     first_share: float | None = None  # share of anchors from the first data folder (None: by size)
     head_vocab: int = 16384        # 0: the whole vocabulary
     n_max: int = 4                 # drafted tokens the running acceptance estimate counts
@@ -77,6 +78,8 @@ class TrainSettings:
             raise ValueError(f"--soft-labels must lie in 0..1, got {self.soft_labels:g}")
         if self.soft_labels and self.labels != "target":
             raise ValueError("--soft-labels trains towards the target's distribution: it needs --labels target")
+        if not self.confidence_weight >= 0:
+            raise ValueError(f"--confidence-weight must be at least 0, got {self.confidence_weight:g}")
         if self.first_share is not None and not 0 < self.first_share < 1:
             raise ValueError(f"--data-share must be between 0 and 1, got {self.first_share:g}")
 
@@ -210,8 +213,8 @@ def label_rows(ids: np.ndarray, vocab: int) -> np.ndarray:
     return label_map
 
 
-def selector_loss(model: DraftModel, hidden: torch.Tensor, logits: torch.Tensor, batch: dict[str, torch.Tensor],
-                  labelled: torch.Tensor, head_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def selector_loss(model: DraftModel, hidden: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
+                  previous: torch.Tensor, head_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A DFlash2 selector's cross-entropy, per labelled row, over that row's top_k candidates
     (the ids the head scores best) given the previous label as the predecessor (the anchor for
     position 1): teacher-forced, as acceptance is (a row counts only when every row before it
@@ -220,8 +223,6 @@ def selector_loss(model: DraftModel, hidden: torch.Tensor, logits: torch.Tensor,
     candidate, which the selector cannot choose, weigh 0. Also each row's choice (a head row)."""
     selector = model.candidate_selector
     assert selector is not None, "a DFlash2 draft's loss"
-    labels = batch["labels"][labelled]
-    previous = torch.cat([batch["block"][:, :, :1], batch["label_tokens"][:, :, :-1]], dim=2)[labelled]
     top = min(selector.top_k, logits.shape[-1])
     unary, candidates = torch.topk(logits.detach(), top, dim=-1)
     scores = unary + selector.pair_scores(hidden, previous, head_ids[candidates])
@@ -232,18 +233,27 @@ def selector_loss(model: DraftModel, hidden: torch.Tensor, logits: torch.Tensor,
 
 
 def step_loss(model: DraftModel, batch: dict[str, torch.Tensor], head: torch.Tensor, weights: torch.Tensor,
-              n_max: int, soft_labels: float = 0.0,
-              head_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              n_max: int, soft_labels: float = 0.0, head_ids: torch.Tensor | None = None,
+              confidence_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted cross-entropy over the labelled block positions (a soft_labels share of it
     towards the batch's soft_probs over soft_ids; a DFlash2 draft adds its selector's, for which
-    head_ids are the vocabulary ids of the head's rows), and each anchor's accepted length:
+    head_ids are the vocabulary ids of the head's rows; a DSpark draft's logits have its Markov
+    bias, and it adds confidence_weight times its confidence head's binary cross-entropy against
+    whether the row's token is the target's, on its path), and each anchor's accepted length:
     consecutive hits (the argmax, or the selector's choice) on the target's path at positions
-    1..n_max (-1: unused anchor; "corpus" labels count as the path)."""
+    1..n_max (-1: unused anchor; "corpus" labels count as the path). Teacher-forced: a row's
+    previous token is the label before it (the anchor for position 1)."""
     S, A = batch["anchors"].shape
     B = model.cfg.block_size
     hidden = model.hidden(batch["features"], batch["block"], batch["anchors"]).view(S, A, B, -1)[:, :, 1:]
     labelled = batch["weight"] > 0
     logits = hidden[labelled] @ head.T
+    previous = torch.cat([batch["block"][:, :, :1], batch["label_tokens"][:, :, :-1]], dim=2)[labelled]
+    w1_rows = None
+    if model.markov_head is not None:
+        assert head_ids is not None
+        w1_rows = model.markov_head.markov_w1(previous)
+        logits = logits + F.linear(w1_rows, model.markov_head.markov_w2.weight[head_ids])
     choice = logits.argmax(-1)
     w = (weights.expand(S, A, B - 1) * batch["weight"])[labelled]
     per_position = F.cross_entropy(logits, batch["labels"][labelled], reduction="none")
@@ -254,8 +264,14 @@ def step_loss(model: DraftModel, batch: dict[str, torch.Tensor], head: torch.Ten
         per_position = (1 - soft_labels) * per_position + soft_labels * soft
     if model.candidate_selector is not None:
         assert head_ids is not None
-        selected, choice = selector_loss(model, hidden[labelled], logits, batch, labelled, head_ids)
+        selected, choice = selector_loss(model, hidden[labelled], logits, batch["labels"][labelled], previous, head_ids)
         per_position = per_position + selected
+    if model.confidence_head is not None:
+        features = hidden[labelled] if w1_rows is None else torch.cat([hidden[labelled], w1_rows], dim=-1)
+        kept = (choice == batch["labels"][labelled]) & batch["on_path"][labelled]
+        confident = model.confidence_head.proj(features)[:, 0]
+        per_position = per_position + confidence_weight * F.binary_cross_entropy_with_logits(
+            confident, kept.to(confident.dtype), reduction="none")
     loss = (per_position * w).sum() / w.sum().clamp(min=1e-9)
     with torch.no_grad():
         hit = torch.zeros(S, A, B - 1, dtype=torch.bool, device=labelled.device)
@@ -339,7 +355,8 @@ def train(model: DraftModel, datasets: Sequence[Dataset], settings: TrainSetting
         for group in optimizer.param_groups:
             group["lr"] = _lr(settings, state.step, fraction)
         batch = {name: tensor.to(device) for name, tensor in batches.sample(rng).items()}
-        loss, accepted = step_loss(model, batch, head, weights, settings.n_max, settings.soft_labels, head_ids)
+        loss, accepted = step_loss(model, batch, head, weights, settings.n_max, settings.soft_labels, head_ids,
+                                   settings.confidence_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -39,7 +39,7 @@ def run_training(args: argparse.Namespace) -> int:
     # checked before anything is made
     settings = loop.TrainSettings(minutes=args.minutes, seed=args.seed, lr=args.lr, labels=args.labels,
                                   off_path_weight=args.off_path_weight, first_share=args.data_share, gamma=args.gamma,
-                                  soft_labels=args.soft_labels,
+                                  soft_labels=args.soft_labels, confidence_weight=args.confidence_weight,
                                   head_vocab=args.head_vocab, max_steps=args.max_steps, n_threads=args.threads,
                                   sequences_per_step=args.batch_sequences,
                                   snapshot_minutes=args.snapshot_minutes, total_minutes=args.total_minutes)
@@ -84,7 +84,8 @@ def run_training(args: argparse.Namespace) -> int:
         num_attention_heads=hp["n_head"], num_key_value_heads=hp["n_head_kv"], head_dim=n_embd // hp["n_head"],
         intermediate_size=hp["n_ff"], block_size=args.block_size, mask_token_id=mask,
         rope_theta=hp["rope_theta"], max_position_embeddings=hp["context_length"],
-        dflash2={name: getattr(args, name) for name in DFLASH2_DEFAULTS} if args.arch == "dflash2" else None)
+        dflash2={name: getattr(args, name) for name in DFLASH2_DEFAULTS} if args.arch == "dflash2" else None,
+        dspark={"markov_rank": args.markov_rank} if args.arch == "dspark" else None)
     model = draft.DraftModel(cfg, embd, head)
     checkpoint = out / "checkpoint.pt"
     if not checkpoint.exists():
@@ -107,7 +108,7 @@ def run_training(args: argparse.Namespace) -> int:
     stages = json.loads(stages_path.read_text()) if stages_path.is_file() else []
     stage: dict[str, Any] = {"command": shlex.join(["ikdflash", *args.argv]), "labels": args.labels,
                              "off_path_weight": args.off_path_weight, "gamma": args.gamma, "seed": args.seed,
-                             "soft_labels": args.soft_labels,
+                             "soft_labels": args.soft_labels, "arch": args.arch,
                              "init": args.init,
                              "data_rows": sum(d.n_rows for d in datasets),
                              "data_kinds": sorted({d.meta["kind"] for d in datasets})}
