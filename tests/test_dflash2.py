@@ -190,18 +190,22 @@ def test_greedy_speculation_is_lossless(engine_pair, adaptive):
             assert st.generated == len(spec.tokens) == 1 + st.accepted + st.steps
 
 
-def test_the_draft_runs_where_the_target_keeps_its_head(engine_pair):
-    """With the target's layers offloaded the draft follows its head onto the GPU (its selector's
-    codebooks read on the host), and speculation stays the target alone's; a CPU build runs both
-    cases on the CPU."""
-    target, draft = engine_pair
+def speculates_where_the_target_keeps_its_head(target, draft, **options) -> None:
+    """The target's layers on the CPU, then offloaded: the draft follows its head onto the GPU (a
+    CPU build runs both cases on the CPU), and speculating with a fixed block length (and options)
+    stays the target alone's, drafting."""
     gpu = "CUDA0" if "CUDA" in build_info()["backends"] else "CPU"
     for n_gpu_layers, expected in ((0, "CPU"), (99, gpu)):
         with Engine(target, draft, n_ctx=256, n_batch=16, n_gpu_layers=n_gpu_layers) as engine:
             assert engine.draft_device == expected
             plain = engine.generate(PROMPT, max_tokens=24)
-            spec = engine.speculate(PROMPT, max_tokens=24, n_max=4, adaptive=False)
+            spec = engine.speculate(PROMPT, max_tokens=24, adaptive=False, **options)
             assert spec.tokens == plain.tokens and spec.stats.drafted > 0
+
+
+def test_the_draft_runs_where_the_target_keeps_its_head(engine_pair):
+    """The selector's codebooks are read on the host wherever the draft runs."""
+    speculates_where_the_target_keeps_its_head(*engine_pair, n_max=4)
 
 
 @pytest.fixture(scope="module")

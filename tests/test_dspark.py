@@ -10,12 +10,13 @@ import json
 import numpy as np
 import pytest
 
-from ikdflash import Engine, Server, _core, build_info
+from ikdflash import Engine, Server, _core
 from ikdflash.convert import ConversionError, convert
 from ikdflash.serving.client import post_json
 from ikdflash.serving.spectype import SpecType
 from fixtures.gguf_edit import rewrite
 from fixtures.tinydraft import converted_tiny_draft
+from test_dflash2 import PROMPT, speculates_where_the_target_keeps_its_head
 from test_draft import context
 from test_draft import target  # noqa: F401  (a tiny qwen3 target: GGUF, HF folder, loaded model)
 
@@ -177,7 +178,6 @@ def engine_pair(tiny_model, tiny_draft):
                               **SWA)
 
 
-PROMPT = "in the beginning the quick brown fox jumped over the lazy dog while the cat sat on the mat " * 3
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -215,17 +215,8 @@ def test_conf_min_cuts_by_the_confidence_head(engine_pair):
 
 
 def test_the_draft_runs_where_the_target_keeps_its_head(engine_pair):
-    """With the target's layers offloaded the draft follows its head onto the GPU, the Markov
-    chain and the confidence head with it, and speculation stays the target alone's; a CPU build
-    runs both cases on the CPU."""
-    target, draft = engine_pair
-    gpu = "CUDA0" if "CUDA" in build_info()["backends"] else "CPU"
-    for n_gpu_layers, expected in ((0, "CPU"), (99, gpu)):
-        with Engine(target, draft, n_ctx=256, n_batch=16, n_gpu_layers=n_gpu_layers) as engine:
-            assert engine.draft_device == expected
-            plain = engine.generate(PROMPT, max_tokens=24)
-            spec = engine.speculate(PROMPT, max_tokens=24, n_max=8, adaptive=False, conf_min=0.2)
-            assert spec.tokens == plain.tokens and spec.stats.drafted > 0
+    """The Markov chain and the confidence head run where the rest of the draft step runs."""
+    speculates_where_the_target_keeps_its_head(*engine_pair, n_max=8, conf_min=0.2)
 
 
 @pytest.mark.parametrize("options", [dict(temperature=0.8), dict(temperature=1.0, top_k=5)],

@@ -73,10 +73,13 @@ def test_rpc_misuse_is_refused(swa_pairs, tmp_path, capsys):
         assert main(["rpc-worker", "--port", str(port)]) == 2
         assert "already in use" in capsys.readouterr().err
         # a worker serving one client, its accept queue full (Linux holds backlog + 1), answers no
-        # new connection: it is still found
+        # new connection: it is still found. The clients connect without waiting: however many the
+        # queue takes, the others' handshakes stay pending
         with contextlib.ExitStack() as clients:
-            for _ in range(3):
-                clients.enter_context(socket.create_connection(("127.0.0.1", port), timeout=5))
+            for _ in range(4):
+                client = clients.enter_context(socket.socket())
+                client.setblocking(False)
+                client.connect_ex(("127.0.0.1", port))
             assert main(["rpc-worker", "--port", str(port)]) == 2
             assert "already in use" in capsys.readouterr().err
 

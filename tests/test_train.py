@@ -303,7 +303,7 @@ def test_soft_labels_are_the_targets_top_tokens_after_each_row(tmp_path):
 
     class Exact(torch.nn.Module):  # hidden state = the wanted log-probabilities, head = identity
         cfg = type("cfg", (), {"block_size": 4})
-        candidate_selector = None  # a DFlash1 draft
+        candidate_selector = markov_head = confidence_head = None  # a DFlash1 draft
 
         def hidden(self, features, block, anchors):
             S, A = anchors.shape
