@@ -5,9 +5,10 @@
 The built-in target's greedy answers to held-out chat prompts (first user turns under the plain
 system prompt, as benchmarks/tau.py), teacher-forced: at every answer position the draft
 (default: the shipped one) reads the target's layers for the positions before it and proposes the
-next token from block row 1; its confidence is that row's top softmax probability over the
-draft's head. Reported: how often the first draft token equals the target's, by confidence
-bucket, above and below thresholds, and after a kept or a missed position. A controller that
+next token; its confidence is the draft's own (dflash_seq_draft: a DSpark draft's confidence head,
+else the token's probability under its row's softmax over the draft's head). Reported: how often
+the first draft token equals the target's, by confidence bucket, above and below thresholds, and
+after a kept or a missed position. A controller that
 verifies a draft only when its confidence pays must still run the draft at every step to know
 it: the summary line prices that with the costs given (--draft-cost and --two-rows, in one-row
 target passes; this machine's engine measured ~0.19 and ~1.24 on the built-in pair).
@@ -32,21 +33,22 @@ EDGES = np.linspace(0.0, 1.0, 11)
 def draft_steps(target: Path, draft_path: Path, prompts: list[list[int]], tokens: int):
     """The draft teacher-forced on the target's greedy answer to each prompt, as the engine's draft
     reads it on the greedy path: for each prompt (its index i) and each answer position s that has
-    a next token, yields (i, seq, s, logits, best): the draft's block starting at seq[s], with the
-    target's layers for the positions before s; best[j] is its guess for seq[s + 1 + j]."""
+    a next token, yields (i, seq, s, best, confidence): the draft's proposal after seq[s], with the
+    target's layers for the positions before s; best[j] is its guess for seq[s + 1 + j], and
+    confidence[j] its confidence in it."""
     model = _core.Model(str(target), n_ctx=1024, n_threads=2)
     draft = _core.Draft(model, str(draft_path), 2)
     context = None
     try:
-        layers = draft.info()["target_layer_ids"]
+        layers, n_proposed = draft.info()["target_layer_ids"], draft.info()["max_proposal"]
         for i, prompt in enumerate(prompts):
             seq = list(prompt) + model.generate_greedy(list(prompt), tokens)
             features, _ = _core.training.layer_features(model, seq, layers)
             context = _core.CrossContext(draft, 2048)
             context.append(features[:len(prompt)], np.arange(len(prompt), dtype=np.int32))
             for s in range(len(prompt), len(seq) - 1):
-                logits, best = context.step(seq[s], s)
-                yield i, seq, s, logits, best
+                best, confidence = context.propose_with_confidence(seq[s], s, n_proposed)
+                yield i, seq, s, best, confidence
                 context.append(features[s:s + 1], np.array([s], dtype=np.int32))
             context = None
     finally:
@@ -58,9 +60,8 @@ def draft_steps(target: Path, draft_path: Path, prompts: list[list[int]], tokens
 def confidences(target: Path, draft_path: Path, prompts: list[list[int]], tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """Per answer position: the draft's confidence in its first token, and whether it was the target's."""
     conf, kept = [], []
-    for _, seq, s, logits, best in draft_steps(target, draft_path, prompts, tokens):
-        row = logits[1] - logits[1].max()
-        conf.append(1.0 / np.exp(row).sum())  # the top token's softmax probability
+    for _, seq, s, best, confidence in draft_steps(target, draft_path, prompts, tokens):
+        conf.append(confidence[0])
         kept.append(best[0] == seq[s + 1])
     return np.array(conf), np.array(kept, dtype=float)
 

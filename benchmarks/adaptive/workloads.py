@@ -1,6 +1,6 @@
 """The adaptive block length against every fixed n_max and the target alone, side by side.
 
-    python -m benchmarks.adaptive run [--tokens 128] [--repeats 3] [--json out.json]
+    python -m benchmarks.adaptive run [--tokens 128] [--repeats 3] [--draft D.gguf] [--json out.json]
 
 Workloads, each generated greedily by one engine per pair, on 2 threads:
 
@@ -177,9 +177,13 @@ def main() -> None:
     parser.add_argument("--repack", action=argparse.BooleanOptionalAction,
                         help="repack weights at load (llama-server's -rtr); default: where it keeps results exact, "
                              "as Engine does")
+    parser.add_argument("--draft", type=Path,
+                        help="a draft for the built-in target instead of the shipped one (the chat workloads; "
+                             "useless scrambles it)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     target, draft = resolve_pair(DEFAULT_PAIR)
+    draft = args.draft or draft
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -220,4 +224,5 @@ def main() -> None:
     print(f"controller: {c['us_per_step_through_python']:.1f} us a step through Python, "
           f"{c['share_of_a_one_row_pass']:.2%} of a one-row SmolLM2 pass")
     if args.json:
-        write_result(args.json, {"tokens": args.tokens, "repeats": args.repeats, **results}, threads=2)
+        write_result(args.json, {"tokens": args.tokens, "repeats": args.repeats,
+                                 "draft": str(args.draft or "shipped"), **results}, threads=2)
