@@ -1,10 +1,12 @@
 """The layout the architecture rests on: the package's modules import each other without cycles
 (imports inside functions counted), no library module imports the command line
-(ikdflash.cli), and no source file in cpp/ or python/ outgrows 800 lines."""
+(ikdflash.cli), no source file in cpp/ or python/ outgrows 800 lines, and llama-server's DFlash
+code is this repository's: the patches keep its calls, the engine and the server one step."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,3 +93,28 @@ def test_no_source_file_outgrows_its_limit():
     assert sources
     long = {str(p.relative_to(ROOT)): n for p in sources if (n := len(p.read_text().splitlines())) > MOST_LINES}
     assert long == {}
+
+
+def server_hook_calls() -> set[str]:
+    """The ikdflash functions the DFlash server patch adds calls to."""
+    patch = next((ROOT / "third_party" / "ik_llama" / "patches").glob("*-server-DFlash-and-the-n-gram-lookup-*.patch"))
+    added = "\n".join(line[1:] for line in patch.read_text().splitlines() if line.startswith("+") and not line.startswith("+++"))
+    return set(re.findall(r"\b((?:dflash|speculation|with_speculation)_\w+)\(", added))
+
+
+def test_the_server_patch_calls_functions_of_this_repository():
+    calls = server_hook_calls()
+    assert {"dflash_slot_draft", "speculation_verified", "dflash_view_decoded"} <= calls
+    server = "\n".join(p.read_text() for p in (ROOT / "cpp" / "server").glob("*.cpp"))
+    runtime = "\n".join(p.read_text() for p in (ROOT / "cpp" / "dflash").glob("*.cpp"))
+    defined = set(re.findall(r"^[\w:<>&* ]+?\b(\w+)\([^;]*\{$", server + "\n" + runtime, flags=re.M))
+    assert calls - defined == set()
+
+
+def test_the_engine_and_the_server_run_one_step():
+    for path in ("cpp/dflash/dflash-engine.cpp", "cpp/server/server-dflash.cpp"):
+        source = (ROOT / path).read_text()
+        assert "dflash_spec_propose(" in source and "dflash_spec_accept(" in source, path
+        # the step's parts are dflash_spec's alone
+        for part in ("dflash_adapt_plan_step", "dflash_adapt_offer_lookup", "dflash_adapt_proposed"):
+            assert part not in source, (path, part)

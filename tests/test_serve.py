@@ -188,6 +188,17 @@ def test_spec_type_grammar_round_trip():
         SpecType(cross_ctx=2**32)  # it wrapped to 0: the slot's context
 
 
+def test_spec_type_names_are_the_servers():
+    """The type's name is read by the fork's parser too (dflash_parse_spec_type), as llama-server reads it."""
+    for name in ("dflash", "draft-dflash", "dspark", "draft-dspark"):
+        assert SpecType.parse(f"{name}:n_max=3") == SpecType(n_max=3)
+    for text in ("ngram-map-k", "dflashy:n_max=3", "lookup:n_max=3"):  # the last: no draft, not built here
+        with pytest.raises(SpecTypeError, match="only 'dflash"):
+            SpecType.parse(text)
+    with pytest.raises(SpecTypeError, match="the lookup alone needs lookup=1 and adaptive=1"):
+        SpecType.parse("lookup:adaptive=0")
+
+
 def test_doctor_checks_a_pair(pair, tmp_path):
     target, draft = pair
     ok = subprocess.run(["ikdflash", "doctor", "--target", str(target), "--draft", str(draft)],

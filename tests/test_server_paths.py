@@ -177,7 +177,7 @@ def test_a_prompt_that_fails_to_come_back_from_the_ram_cache_is_evaluated_again(
              completion(a[:len(a) // 3] + OTHER * 2, 8, ignore_eos=True, n_probs=1),
              completion(a + " and so", 16, ignore_eos=True, n_probs=1)]
     plain, spec, log = side_by_side(target, draft, tmp_path, steps, args=["--cache-ram", "64"],
-                                    faults="prompt_restore@1")
+                                    faults="prompt_restore@1,prompt_restore@2")  # the restore and its retry
     assert "failed to load prompt from cache; the slot's cached tokens are dropped" in log
     assert_same_text(plain, spec)
     assert_same_top_probabilities(plain, spec)

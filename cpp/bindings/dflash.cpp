@@ -329,15 +329,21 @@ void add_block_stats(py::dict & d, const dflash_adapt_stats & stats, int n_max) 
     d["calibration"] = calibration_table(stats);
 }
 
-// What `--spec-type dflash:TEXT` names, parsed by the runtime's own parser (the server's): the
-// named keys only, so the caller keeps its own defaults for the rest.
-py::dict parse_spec_options(const std::string & text) {
-    dflash_spec_options options{};
+// What a `--spec-type` value names, parsed by the runtime's own parser (the server's): None for a
+// type that is not DFlash's, else "draftless" (the lookup alone) and the named keys only, so the
+// caller keeps its own defaults for the rest.
+py::object parse_spec_type(const std::string & text) {
+    dflash_spec_options options = dflash_spec_default_options();
     uint32_t named = 0;
-    if (dflash_parse_spec_options_named(text.c_str(), &options, &named) != 0) {
+    const int dflash = dflash_parse_spec_type(text.c_str(), &options, &named);
+    if (dflash < 0) {
         throw py::value_error(dflash_last_error());
     }
+    if (dflash == 0) {
+        return py::none();
+    }
     py::dict out;
+    out["draftless"] = options.draftless;
     if (named & DFLASH_SPEC_N_MAX) out["n_max"] = options.n_max;
     if (named & DFLASH_SPEC_N_MIN) out["n_min"] = options.n_min;
     if (named & DFLASH_SPEC_P_MIN) out["p_min"] = options.p_min;
@@ -706,8 +712,9 @@ void bind_dflash(py::module_ & m) {
           py::arg("sliding"), py::arg("causal"), py::arg("window"), py::arg("kv_pad") = 1);
     m.attr("LOOKUP_MAX_RUN") = DFLASH_LOOKUP_MAX_RUN;
     m.attr("LOOKUP_KEY_SIZE") = ngram_lookup::default_key_size;
-    m.def("parse_spec_options", &parse_spec_options, py::arg("text"),
-          "The keys `--spec-type dflash:TEXT` names, with their values, as llama-server parses them.");
+    m.def("parse_spec_type", &parse_spec_type, py::arg("text"),
+          "What a --spec-type value names, as llama-server parses it: None unless DFlash's; else draftless "
+          "and the keys it names, with their values.");
 }
 
 }  // namespace ikdflash

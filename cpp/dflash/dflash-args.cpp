@@ -122,3 +122,47 @@ int dflash_parse_spec_options_named(const char * text, dflash_spec_options * opt
         return 0;
     }, -1);
 }
+
+dflash_spec_options dflash_spec_default_options(void) {
+    dflash_spec_options options{};
+    options.n_max = 16;
+    options.p_min = 0.75f;
+    options.adaptive = true;
+    options.lookup = true;
+    return options;
+}
+
+int dflash_parse_spec_type(const char * value, dflash_spec_options * options, uint32_t * named) {
+    return guarded([&]() -> int {
+        const std::string text = value ? value : "";
+        const size_t colon = text.find(':');
+        const std::string name = text.substr(0, colon);
+        const std::string keys = colon == std::string::npos ? "" : text.substr(colon + 1);
+        const bool lookup_alone = name == "lookup";
+        if (!lookup_alone && name != "dflash" && name != "draft-dflash" && name != "dspark" && name != "draft-dspark") {
+            return 0;
+        }
+        dflash_spec_options parsed = *options;
+        if (dflash_parse_spec_options_named(keys.c_str(), &parsed, named) != 0) {
+            return -1;
+        }
+        if (lookup_alone && !(parsed.lookup && parsed.adaptive)) {
+            fail("--spec-type lookup: the lookup alone needs lookup=1 and adaptive=1");
+        }
+        parsed.draftless = lookup_alone;
+        *options = parsed;
+        return 1;
+    }, -1);
+}
+
+const char * dflash_spec_type_usage(void) {
+    return "DFlash or DSpark draft given with --model-draft (draft-dflash, dspark, draft-dspark work too),\n"
+           "or lookup[:k=v,...]: the n-gram lookup alone, with no draft (n_max at most 15). Keys: n_max, n_min, p_min,\n"
+           "cross_ctx (alias dflash_cross_ctx; default: the context size), full_attention (0/1), log_drafts (0/1),\n"
+           "min_accept (0..1: stop drafting for a request whose acceptance over its last 16 steps is below it),\n"
+           "adaptive (0/1, default 1: each step verifies as many of up to n_max drafts as pay, 0 when none do;\n"
+           "0: always n_max), lookup (0/1, default 1: an n-gram lookup over the prompt and reply proposes beside\n"
+           "the draft where it pays), confidence (0/1, default 0; 1: each draft token's calibrated confidence sets\n"
+           "how many are verified), conf_min (0..1, default 0: no draft token from the first whose confidence is\n"
+           "below it is verified; also --spec-draft-conf-min P)";
+}

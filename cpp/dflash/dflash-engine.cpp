@@ -282,13 +282,13 @@ struct dflash_engine::generation {
     dflash_logprobs * logprobs;
     const int n_probs;
     dflash_adapt * adapt = nullptr;   // null without a draft
+    std::unique_ptr<dflash_spec, decltype(&dflash_spec_free)> spec{nullptr, dflash_spec_free};  // the step, on adapt
     std::vector<llama_token> history; // tokens before the position being sampled (the penalty's window)
     int n_out = 0, n_reported = 0;
     int s = 0;                        // position of t
     llama_token t = 0;                // the target's next token, not yet returned
     dflash_impl::sampler::token_logprobs t_info;
-    std::vector<llama_token> proposal, verify, looked_up;
-    std::vector<float> confidence;    // the draft's in each proposed token, when the controller cuts by it
+    std::vector<llama_token> proposal, verify;
     std::vector<dflash_impl::sampler::token_logprobs> row_info;  // of each verification row's sample
 
     using row_logprobs = dflash_impl::sampler::token_logprobs;
@@ -384,47 +384,18 @@ struct dflash_engine::generation {
         return std::max(0, std::min({n_max, most, max_tokens - n_out - 1, n_ctx - 2 - s}));
     }
 
-    // The lookup's tokens after t, up to limit, offered to the controller for this step's plan.
-    void look_up(int limit) {
-        if (e.lookup == nullptr || adapt == nullptr || e.adapt_fixed || limit == 0) {
-            return;
-        }
-        looked_up.resize(limit);
-        const int n = e.lookup->propose(e.lookup->state, history.data(), (int) history.size(), limit, looked_up.data());
-        looked_up.resize(std::clamp(n, 0, limit));
-        dflash_adapt_offer_lookup(adapt, looked_up.data(), (int) looked_up.size());
-    }
-
-    // This step's proposal: the draft's plan.n_draft tokens after t, or the lookup's tokens (and
-    // the draft's then only compared: a probe). The controller compares each with what the target
-    // commits. Returns how many of them the step verifies.
-    int propose(const dflash_adapt_plan & plan) {
-        const int n_verify = draft(plan);
-        if (plan.lookup) {
-            proposal.assign(looked_up.begin(), looked_up.begin() + plan.n_verify);
-            return plan.n_verify;
-        }
-        return n_verify;
-    }
-
-    int draft(const dflash_adapt_plan & plan) {
-        const int n = plan.n_draft;
-        proposal.resize(n);
-        if (n == 0) {
-            return plan.n_verify;
-        }
-        confidence.resize(dflash_adapt_wants_confidence(adapt) ? n : 0);
-        float * confidence_out = confidence.empty() ? nullptr : confidence.data();
-        const double t0 = now_ms();
-        if (dflash_seq_draft(e.seq.get(), t, s, n, proposal.data(), confidence_out) != 0) {
+    // This step's proposal after t (dflash_spec_propose): the draft's tokens or the lookup's, up to
+    // limit. Returns how many the step verifies; whether they are the lookup's goes to from_lookup.
+    int propose(int limit, bool & from_lookup) {
+        proposal.resize(limit);
+        dflash_proposal p;
+        // history ends with t, the token whose successors are proposed
+        if (dflash_spec_propose(spec.get(), history.data(), (int) history.size() - 1, t, s, limit, proposal.data(), &p) != 0) {
             fail("%s", dflash_last_error());
         }
-        const double ms = now_ms() - t0;
-        st.t_draft_ms += ms;
-        if (e.costs) {
-            dflash_costs_observe_draft(e.costs.get(), n, ms);
-        }
-        return dflash_adapt_proposed(adapt, proposal.data(), confidence_out, n);
+        st.t_draft_ms += p.draft_ms;
+        from_lookup = p.lookup;
+        return p.n_verify;
     }
 
     // Verify [t, d_1..d_n] at s..s+n in one target pass; keep positions s..s+acc and undo the rest.
@@ -433,9 +404,6 @@ struct dflash_engine::generation {
         const double t0 = now_ms();
         verify.assign(1, t);
         verify.insert(verify.end(), proposal.begin(), proposal.begin() + n);
-        if (e.hybrid && n > 0) {
-            e.seq->save_state();
-        }
         e.decode(verify.data(), n + 1, s, true, true);
         row_info.resize(n + 1);
         int acc = 0;
@@ -463,9 +431,7 @@ struct dflash_engine::generation {
         // what the step committed after t: the accepted drafts and the target's own token
         verify.resize(acc + 1);
         verify.push_back(next);
-        if (adapt != nullptr) {
-            dflash_adapt_committed(adapt, n, verify.data() + 1, acc + 1);
-        }
+        dflash_spec_accept(spec.get(), n, verify.data() + 1, acc + 1);
         if (step_lengths != nullptr) {
             step_lengths[st.n_steps] = acc + 1;
         }
@@ -499,11 +465,9 @@ struct dflash_engine::generation {
         st.end_reason = DFLASH_END_LENGTH;
         prefill(prompt, n_prompt);
         while (emit_current()) {
-            const int limit = draft_limit(n_max);
-            look_up(limit);
-            const dflash_adapt_plan plan = adapt ? dflash_adapt_plan_step(adapt, limit) : dflash_adapt_plan{0, 0, false};
-            const int n_verify = propose(plan);
-            if (!emit_accepted(verify_drafts(n_verify, plan.lookup))) {
+            bool from_lookup = false;
+            const int n_verify = propose(draft_limit(n_max), from_lookup);
+            if (!emit_accepted(verify_drafts(n_verify, from_lookup))) {
                 break;
             }
         }
@@ -547,6 +511,10 @@ int dflash_engine::generate(const llama_token * prompt, int n_prompt, int max_to
         g.adapt = controller(std::min(n_max, dflash_draft_max_proposal(draft)), adaptive && n_max > 0);
     } else if (n_max > 0) {
         g.adapt = controller(n_max, true);
+    }
+    g.spec.reset(dflash_spec_init(seq.get(), g.adapt, costs.get()));
+    if (lookup != nullptr && g.adapt != nullptr && !adapt_fixed) {
+        dflash_spec_set_lookup(g.spec.get(), lookup);
     }
     return g.run(prompt, n_prompt, n_max);
 }

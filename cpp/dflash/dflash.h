@@ -207,7 +207,8 @@ DFLASH_API void dflash_seq_restore_state(const dflash_seq * seq);
 // is unsure, more (up to what it proposed) where it is sure. A fixed floor (conf_min, llama.cpp's
 // --spec-draft-conf-min) verifies nothing from the first token below it.
 //
-// Usage, per step of a sequence (the draft's cross-context is fed by every target pass anyway):
+// Usage, per step of a sequence (the draft's cross-context is fed by every target pass anyway;
+// dflash_spec below is this, written once for the engine and llama-server):
 //   dflash_adapt_offer_lookup(adapt, lookup_tokens, n);  // optional
 //   plan = dflash_adapt_plan_step(adapt, n_limit);      // n_limit: what block, budget, context allow
 //   n = plan.n_verify;
@@ -323,12 +324,46 @@ DFLASH_API float dflash_adapt_lookup_acceptance(const dflash_adapt * adapt, int 
 // A proposer the caller plugs in: the n-gram lookup over the prompt and the reply so far is the
 // base's (common/ngram-map.h), which libikdflash does not link; llama-server and the Python
 // bindings wrap it (cpp/lookup/ngram-lookup.h). propose writes up to n_max tokens likely to follow
-// tokens[0..n_tokens) and returns how many (0: no match); the tokens end with the current one.
+// the current token, after tokens[0..n_tokens), and returns how many (0: no match).
 typedef struct dflash_lookup dflash_lookup;
 struct dflash_lookup {
-    int (*propose)(void * state, const llama_token * tokens, int n_tokens, int n_max, llama_token * out);
+    int (*propose)(void * state, const llama_token * tokens, int n_tokens, llama_token current, int n_max,
+                   llama_token * out);
     void * state;
 };
+
+// --- one sequence's speculation step -----------------------------------------------------------
+// The step the engine and llama-server both run for a sequence (the usage above, written once):
+// before the target's pass, the lookup's offer, the controller's plan (alone, or within the load
+// of a pass the sequence shares), the draft's proposal with its confidences and its time; after
+// it, what the target kept. It borrows its handles, which outlive it.
+typedef struct dflash_spec dflash_spec;
+// seq: the sequence's draft state (NULL, or one without a draft: the lookup alone); adapt: its
+// controller (NULL: every step a one-token decode); costs: where draft steps are timed (NULL: not).
+DFLASH_API dflash_spec * dflash_spec_init(dflash_seq * seq, dflash_adapt * adapt, dflash_costs * costs);
+DFLASH_API void dflash_spec_free(dflash_spec * spec);
+// The lookup offered at every step (NULL: none).
+DFLASH_API void dflash_spec_set_lookup(dflash_spec * spec, const dflash_lookup * lookup);
+// The load of the pass the sequence shares with others, as sequence load_seq (NULL: alone).
+DFLASH_API void dflash_spec_set_load(dflash_spec * spec, dflash_load * load, int load_seq);
+
+typedef struct dflash_proposal dflash_proposal;
+struct dflash_proposal {
+    int32_t n_verify;             // the tokens the step verifies (0: a one-token decode)
+    bool    lookup;               // they are the lookup's (a draft step, if one ran, was a probe)
+    int32_t n_drafted;            // the draft's tokens this step (0: no draft step)
+    const llama_token * drafted;  // them; valid until the next call
+    double  draft_ms;             // the draft step's time
+};
+// The step after the current token at pos, the tokens before it tokens[0..n_tokens) (what the
+// lookup searches): at most limit tokens to verify, written to out (room for limit). When there
+// are any, a hybrid target's recurrent state is saved (the pass runs it over them). Returns 0, or
+// -1 when the draft step failed (dflash_last_error(); nothing to verify).
+DFLASH_API int dflash_spec_propose(dflash_spec * spec, const llama_token * tokens, int n_tokens, llama_token current,
+                                   llama_pos pos, int limit, llama_token * out, dflash_proposal * proposal);
+// The step's outcome: of n_verified tokens verified (0: a one-token decode), the target committed
+// committed[0..n_committed), the kept ones and its own.
+DFLASH_API void dflash_spec_accept(dflash_spec * spec, int n_verified, const llama_token * committed, int n_committed);
 DFLASH_API struct dflash_adapt_stats dflash_adapt_get_stats(const dflash_adapt * adapt);
 
 // --- the speculative engine ---------------------------------------------------------------------
@@ -453,7 +488,11 @@ struct dflash_spec_options {
     bool    lookup;          // ours: an n-gram lookup proposes beside the draft (default on; adaptive only)
     bool    confidence;      // ours: each draft token's confidence sets how many are verified (default off; adaptive only)
     float   conf_min;        // llama.cpp's: no draft token from the first whose confidence is below this is verified (0: none)
+    bool    draftless;       // --spec-type lookup: the n-gram lookup alone, with no draft
 };
+
+// The options' defaults: n_max 16, n_min 0 and p_min 0.75 as the fork's own; adaptive and lookup on.
+DFLASH_API dflash_spec_options dflash_spec_default_options(void);
 
 // Parse the part after "dflash:" into options (fields not named keep their values). Returns 0,
 // or -1 with dflash_last_error() naming the key and the problem.
@@ -468,6 +507,16 @@ enum {
     DFLASH_SPEC_CONFIDENCE = 1 << 9, DFLASH_SPEC_CONF_MIN = 1 << 10,
 };
 DFLASH_API int dflash_parse_spec_options_named(const char * text, dflash_spec_options * options, uint32_t * named);
+
+// A whole `--spec-type` value. Returns 1 when it names DFlash: "dflash[:keys]", llama.cpp's
+// "draft-dflash", DSpark's "dspark" and "draft-dspark" (the draft file says which it is), or the
+// lookup alone, "lookup[:keys]" (draftless set); its keys are parsed into options, and named (if
+// not NULL) gets their bits. Returns 0 for any other type (options untouched), and -1 with
+// dflash_last_error() for bad keys.
+DFLASH_API int dflash_parse_spec_type(const char * value, dflash_spec_options * options, uint32_t * named);
+
+// The command-line help of those types and their keys.
+DFLASH_API const char * dflash_spec_type_usage(void);
 
 // --- fault injection (tests) ---------------------------------------------------------------------
 

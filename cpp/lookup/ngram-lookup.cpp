@@ -47,11 +47,9 @@ ngram_lookup::ngram_lookup(int key_size, int max_run) : state_(std::make_unique<
         state_->runs.push_back(k_short_run);
     }
     plug_.state = this;
-    plug_.propose = [](void * self, const llama_token * tokens, int n_tokens, int n_max, llama_token * out) {
-        if (n_tokens < 1) {
-            return 0;
-        }
-        return static_cast<ngram_lookup *>(self)->propose(tokens, n_tokens - 1, tokens[n_tokens - 1], n_max, out);
+    plug_.propose = [](void * self, const llama_token * tokens, int n_tokens, llama_token current, int n_max,
+                       llama_token * out) {
+        return static_cast<ngram_lookup *>(self)->propose(tokens, n_tokens, current, n_max, out);
     };
 }
 

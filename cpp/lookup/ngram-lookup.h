@@ -24,7 +24,7 @@ public:
     // extend the last one (a new request) starts the maps anew.
     int propose(const llama_token * tokens, int n_tokens, llama_token current, int n_max, llama_token * out);
 
-    // The plug for dflash_engine_set_lookup; valid while this object lives.
+    // The plug for dflash_engine_set_lookup and dflash_spec_set_lookup; valid while this object lives.
     const dflash_lookup * plug() const { return &plug_; }
 
     static constexpr int default_key_size = 3;

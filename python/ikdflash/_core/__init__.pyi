@@ -25,8 +25,9 @@ def repack_keeps_results(path: str) -> bool: ...
 LOOKUP_MAX_RUN: int  # without a draft, the most looked-up tokens a step verifies
 LOOKUP_KEY_SIZE: int  # the n-gram lookup's key: the tokens it matches earlier in the sequence
 
-def parse_spec_options(text: str) -> dict[str, Any]:
-    """The keys `--spec-type dflash:TEXT` names, with their values, as llama-server parses them."""
+def parse_spec_type(text: str) -> dict[str, Any] | None:
+    """What a --spec-type value names, as llama-server parses it: None unless DFlash's; else
+    draftless (the lookup alone) and the keys it names, with their values."""
 
 
 class Model:

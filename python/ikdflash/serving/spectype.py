@@ -1,7 +1,7 @@
 """The `--spec-type dflash[:k=v,...]` flag, on the Python side: one place that builds it for
 `ikdflash serve`, the tests and anything else that starts llama-server. Its keys and values are
 checked by the fork's own parser (cpp/dflash/dflash-args.cpp, bound as
-_core.parse_spec_options), the one llama-server runs:
+_core.parse_spec_type), the one llama-server runs:
 
     >>> SpecType(n_max=4, cross_ctx=8192).flag()
     'dflash:n_max=4,cross_ctx=8192'
@@ -16,8 +16,6 @@ from typing import Any
 
 from ikdflash import _core
 
-# llama-server's names for the same speculation: the draft file says whether it is DSpark
-DFLASH_NAMES = ("dflash", "draft-dflash", "dspark", "draft-dspark")
 SWITCHES = ("full_attention", "log_drafts", "confidence", "adaptive", "lookup")  # 0/1 on the command line
 OFF_BY_DEFAULT = ("full_attention", "log_drafts", "confidence")  # in the server: said only when on
 
@@ -62,13 +60,12 @@ class SpecType:
 
 def _parsed(text: str) -> dict[str, Any]:
     """The keys a --spec-type value names, parsed by the fork's parser; SpecTypeError if it refuses."""
-    kind, _, rest = text.partition(":")
-    if kind not in DFLASH_NAMES:
-        raise SpecTypeError(f"--spec-type {text}: only 'dflash[:k=v,...]' is built here (alias "
-                            f"{', '.join(DFLASH_NAMES[1:])})")
     try:
-        named = _core.parse_spec_options(rest)
+        named = _core.parse_spec_type(text)
     except ValueError as e:
         raise SpecTypeError(str(e)) from None
+    if named is None or named.pop("draftless"):
+        raise SpecTypeError(f"--spec-type {text}: only 'dflash[:k=v,...]' is built here (alias "
+                            "draft-dflash, dspark, draft-dspark)")
     # the parser keeps fractions as 32-bit floats: 7 significant digits give back what was written
     return {key: float(f"{value:.7g}") if isinstance(value, float) else value for key, value in named.items()}
