@@ -2,7 +2,7 @@
 without a draft.
 
     python -m benchmarks.server load [--slots 2 4] [--rounds 3] [--tokens 128] [--json out.json] [--lookup-off]
-        [--other PATH/llama-server]
+        [--other PATH/llama-server] [--useless] [--questions chat|held-out]
 
 For each --slots N, each round starts the packaged llama-server with --parallel N twice, with the
 draft (default --spec-type dflash: adaptive) and without, in an order that alternates by round,
@@ -15,6 +15,10 @@ its slots' draft steps one after another).
 --other adds a third server per round, another build's llama-server with the same draft and
 flags (e.g. one before a change), in the same rotation, and reports it against the same plain runs;
 --lookup-off one with the draft and the n-gram lookup off (--spec-type dflash:lookup=0).
+--useless serves the draft reading the target's layers in reverse (benchmarks.adaptive's useless
+workload: the same cost, next to nothing kept), to measure what DFlash costs where drafting never
+pays. --questions held-out asks the 24 held-out chat questions of benchmarks/tau.py instead of the
+8 above (with --slots 1: the draft's own chat gain through llama-server).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import os
 import re
 import statistics
+import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -33,7 +38,9 @@ from ikdflash.serving.client import post_json_concurrently
 from ikdflash.serving.spectype import SpecType
 from ikdflash.sources.references import DEFAULT_PAIR, PAIR_CHAT_DEFAULTS, resolve_pair
 
+from benchmarks.adaptive.workloads import scrambled_draft
 from benchmarks.harness import write_result
+from benchmarks.tau import held_out_questions
 
 QUESTIONS = ["Explain rainbows to a child.", "What is the capital of France, and why is it famous?",
              "Give me three tips for learning to cook.", "Write a short poem about the sea.",
@@ -41,11 +48,11 @@ QUESTIONS = ["Explain rainbows to a child.", "What is the capital of France, and
              "Describe a good morning routine.", "What should I pack for a weekend hike?"]
 
 
-def chat_bodies(tokens: int) -> list[dict]:
-    """The 8 questions as greedy chat requests under the pair's system prompt, no prompt cache."""
+def chat_bodies(tokens: int, questions: Sequence[str] = QUESTIONS) -> list[dict]:
+    """The questions as greedy chat requests under the pair's system prompt, no prompt cache."""
     system = PAIR_CHAT_DEFAULTS[DEFAULT_PAIR]["system"]
     return [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": q}],
-             "max_tokens": tokens, "temperature": 0, "cache_prompt": False} for q in QUESTIONS]
+             "max_tokens": tokens, "temperature": 0, "cache_prompt": False} for q in questions]
 
 
 def server_flags(draft: Path | None, slots: int, spec: SpecType | None = None) -> list[str]:
@@ -63,8 +70,8 @@ def post_in_waves(route: str, bodies: list[dict], slots: int) -> list[dict]:
 
 
 def serve_once(target: Path, draft: Path | None, slots: int, tokens: int, binary: Path | None = None,
-               extra: Sequence[str] = (), spec: SpecType | None = None) -> dict:
-    bodies = chat_bodies(tokens)
+               extra: Sequence[str] = (), spec: SpecType | None = None, questions: Sequence[str] = QUESTIONS) -> dict:
+    bodies = chat_bodies(tokens, questions)
     with Server(target, ctx_size=2048 * slots, extra_args=server_flags(draft, slots, spec) + ["--metrics", *extra],
                 binary=binary) as url:
         start = time.monotonic()
@@ -90,9 +97,25 @@ def main() -> None:
     parser.add_argument("--other", type=Path, help="another llama-server build, run with the draft too")
     parser.add_argument("--lookup-off", action="store_true",
                         help="a third server per round: the draft with the n-gram lookup off (lookup=0)")
+    parser.add_argument("--useless", action="store_true",
+                        help="the draft reading the target's layers in reverse: drafting never pays")
+    parser.add_argument("--questions", choices=("chat", "held-out"), default="chat")
     args = parser.parse_args()
 
     target, draft = resolve_pair(DEFAULT_PAIR)
+    questions = QUESTIONS if args.questions == "chat" else held_out_questions(24)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.useless:
+            draft = scrambled_draft(draft, Path(tmp) / "useless.gguf")
+        results = measure(args, target, draft, questions)
+    if args.json:
+        write_result(args.json, {"tokens": args.tokens, "other": str(args.other) if args.other else None,
+                                 "useless": args.useless, "questions": questions, "slots": results},
+                     os.cpu_count() or 1)
+
+
+def measure(args: argparse.Namespace, target: Path, draft: Path, questions: Sequence[str]) -> dict:
+    """Per --slots N: every round's runs and ratios, and their medians."""
     results = {}
     for slots in args.slots:
         rounds = []
@@ -105,7 +128,7 @@ def main() -> None:
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             runs = {name: serve_once(target, configs[name][0], slots, args.tokens, configs[name][1],
-                                     spec=configs[name][2]) for name in order}
+                                     spec=configs[name][2], questions=questions) for name in order}
             ratios = {name: runs[name]["tokens_per_second"] / runs["plain"]["tokens_per_second"]
                       for name in names if name != "plain"}
             rounds.append({**runs, "ratios": ratios})
@@ -117,6 +140,4 @@ def main() -> None:
         medians = {name: statistics.median(r["ratios"][name] for r in rounds) for name in rounds[0]["ratios"]}
         print(f"--parallel {slots}: median against plain " + ", ".join(f"{n} {m:.3f}x" for n, m in medians.items()))
         results[str(slots)] = {"rounds": rounds, "median_ratios": medians}
-    if args.json:
-        write_result(args.json, {"tokens": args.tokens, "other": str(args.other) if args.other else None,
-                                 "questions": QUESTIONS, "slots": results}, os.cpu_count() or 1)
+    return results
