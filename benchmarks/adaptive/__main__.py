@@ -8,6 +8,7 @@ COMMANDS = {
     "replay": "replay",
     "draft-confidence": "draft_confidence",
     "target-confidence": "target_confidence",
+    "free-signals": "free_signals",
     "lookup-keys": "lookup_keys",
 }
 

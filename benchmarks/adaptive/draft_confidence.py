@@ -30,12 +30,16 @@ from benchmarks.harness import SYSTEM, write_result
 EDGES = np.linspace(0.0, 1.0, 11)
 
 
+TOP_K = 16  # the target's likeliest tokens kept per position (what its own confidence is computed over)
+
+
 def draft_steps(target: Path, draft_path: Path, prompts: list[list[int]], tokens: int):
     """The draft teacher-forced on the target's greedy answer to each prompt, as the engine's draft
     reads it on the greedy path: for each prompt (its index i) and each answer position s that has
-    a next token, yields (i, seq, s, best, confidence): the draft's proposal after seq[s], with the
-    target's layers for the positions before s; best[j] is its guess for seq[s + 1 + j], and
-    confidence[j] its confidence in it."""
+    a next token, yields (i, seq, s, best, confidence, chose): the draft's proposal after seq[s],
+    with the target's layers for the positions before s; best[j] is its guess for seq[s + 1 + j],
+    confidence[j] its confidence in it, and chose the target's TOP_K logits, less the largest, where
+    it chose seq[s] (what a step knows of the target for free)."""
     model = _core.Model(str(target), n_ctx=1024, n_threads=2)
     draft = _core.Draft(model, str(draft_path), 2)
     context = None
@@ -43,12 +47,12 @@ def draft_steps(target: Path, draft_path: Path, prompts: list[list[int]], tokens
         layers, n_proposed = draft.info()["target_layer_ids"], draft.info()["max_proposal"]
         for i, prompt in enumerate(prompts):
             seq = list(prompt) + model.generate_greedy(list(prompt), tokens)
-            features, _ = _core.training.layer_features(model, seq, layers)
+            features, _, _, top_logits = _core.training.layer_features(model, seq, layers, TOP_K)
             context = _core.CrossContext(draft, 2048)
             context.append(features[:len(prompt)], np.arange(len(prompt), dtype=np.int32))
             for s in range(len(prompt), len(seq) - 1):
                 best, confidence = context.propose_with_confidence(seq[s], s, n_proposed)
-                yield i, seq, s, best, confidence
+                yield i, seq, s, best, confidence, top_logits[s - 1]
                 context.append(features[s:s + 1], np.array([s], dtype=np.int32))
             context = None
     finally:
@@ -60,7 +64,7 @@ def draft_steps(target: Path, draft_path: Path, prompts: list[list[int]], tokens
 def confidences(target: Path, draft_path: Path, prompts: list[list[int]], tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """Per answer position: the draft's confidence in its first token, and whether it was the target's."""
     conf, kept = [], []
-    for _, seq, s, best, confidence in draft_steps(target, draft_path, prompts, tokens):
+    for _, seq, s, best, confidence, _ in draft_steps(target, draft_path, prompts, tokens):
         conf.append(confidence[0])
         kept.append(best[0] == seq[s + 1])
     return np.array(conf), np.array(kept, dtype=float)

@@ -59,7 +59,7 @@ class Recording:
 
 def record(target: Path, draft_path: Path, prompts: list[list[int]], tokens: int) -> list[Recording]:
     recordings = [Recording(len(p), [], []) for p in prompts]
-    for i, seq, _, best, _ in draft_steps(target, draft_path, prompts, tokens):
+    for i, seq, _, best, _, _ in draft_steps(target, draft_path, prompts, tokens):
         recordings[i].answer = seq[len(prompts[i]):]
         recordings[i].proposals.append(list(best[:N_MAX]))
     return recordings
