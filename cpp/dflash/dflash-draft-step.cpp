@@ -28,8 +28,10 @@ using dflash_impl::k_kv_pad;
 
 namespace {
 
+// One node, not a norm and a product: a draft step's graph is small enough that its node count
+// (a thread barrier each) shows in its time.
 ggml_tensor * rms_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * weight, float eps) {
-    return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), weight);
+    return ggml_fused_rms_norm(ctx, x, weight, eps);
 }
 
 // --- graphs ----------------------------------------------------------------------------------
@@ -432,7 +434,7 @@ void dflash_impl::run_step(dflash_draft & d, dflash_cache & c, llama_token first
             ffn_taps = ggml_mul_mat(ctx, l.ffn_conv.proj, n);
             n = convolve_block(d, ctx, n, ffn_taps, l.ffn_conv, 0);
         }
-        ggml_tensor * ff = ggml_mul(ctx, ggml_silu(ctx, ggml_mul_mat(ctx, l.ffn_gate, n)), ggml_mul_mat(ctx, l.ffn_up, n));
+        ggml_tensor * ff = ggml_fused_up_gate(ctx, l.ffn_up, l.ffn_gate, n, GGML_UNARY_OP_SILU);  // silu(gate n) * (up n)
         ggml_tensor * ff_out = ggml_mul_mat(ctx, l.ffn_down, ff);
         if (d.is_dflash2()) {
             ff_out = convolve_block(d, ctx, ff_out, ffn_taps, l.ffn_conv, 1);
