@@ -79,8 +79,10 @@ def gated_rate(conf: np.ndarray, kept: np.ndarray, threshold: float, draft_cost:
     return tokens / cost
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def teacher_forced_command(description: str) -> tuple[argparse.Namespace, Path, Path, list[list[int]]]:
+    """The command line of the teacher-forced measurements (this one and free-signals): its
+    arguments, the target, the draft, and the held-out prompts."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("draft", nargs="?", type=Path)
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--tokens", type=int, default=128)
@@ -89,8 +91,12 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     target, shipped = resolve_pair(DEFAULT_PAIR)
-    prompts = held_out_prompts(target, None, args.prompts, system=SYSTEM)
-    conf, kept = confidences(target, args.draft or shipped, prompts, args.tokens)
+    return args, target, args.draft or shipped, held_out_prompts(target, None, args.prompts, system=SYSTEM)
+
+
+def main() -> int:
+    args, target, draft, prompts = teacher_forced_command(__doc__.split("\n\n")[0])
+    conf, kept = confidences(target, draft, prompts, args.tokens)
     print(f"{len(kept)} answer positions of {len(prompts)} held-out prompts: first draft token kept {kept.mean():.3f}")
     buckets = []
     for lo, hi in zip(EDGES[:-1], EDGES[1:], strict=True):

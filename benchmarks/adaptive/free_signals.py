@@ -18,16 +18,13 @@ scored on the other half (and the other way round), gates the same way.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
 
-from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
-from ikdflash.train.evaluate import held_out_prompts
 
-from benchmarks.adaptive.draft_confidence import draft_steps, gated_rate
-from benchmarks.harness import SYSTEM, write_result
+from benchmarks.adaptive.draft_confidence import draft_steps, gated_rate, teacher_forced_command
+from benchmarks.harness import write_result
 
 LOOKUP_KEY = 3  # the lookup's key length (docs/design.md#n-gram-lookup)
 
@@ -94,17 +91,8 @@ def buckets(signal: np.ndarray, kept: np.ndarray, edges: np.ndarray) -> list[dic
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("draft", nargs="?", type=Path)
-    parser.add_argument("--prompts", type=int, default=24)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--draft-cost", type=float, default=0.19, help="a draft step, in one-row target passes")
-    parser.add_argument("--two-rows", type=float, default=1.24, help="a two-row target pass, in one-row passes")
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    target, shipped = resolve_pair(DEFAULT_PAIR)
-    prompts = held_out_prompts(target, None, args.prompts, system=SYSTEM)
-    found = signals(target, args.draft or shipped, prompts, args.tokens)
+    args, target, draft, prompts = teacher_forced_command(__doc__.split("\n\n")[0])
+    found = signals(target, draft, prompts, args.tokens)
     kept = found["kept"]
     known = ~np.isnan(found["previous_kept"])
     print(f"{len(kept)} answer positions of {len(prompts)} held-out prompts: first draft token kept {kept.mean():.3f}")
