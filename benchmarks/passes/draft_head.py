@@ -3,6 +3,7 @@
 
     python -m benchmarks.passes draft-head [--ids 16384 8192] [--tokens 96] [--repeats 3] [--keep DIR] [--json out.json]
     python -m benchmarks.passes draft-head --ids --draft dflash2=runs/d2/train/draft.gguf   # another draft's step
+    python -m benchmarks.passes draft-head --ids --requantize Q4_1 --keep DIR             # the draft in Q4_1
 
 The cut is the --ids most frequent ids of the target's own greedy tokens over training
 conversations (never the held-out ones), written into a copy of the shipped draft; when the
@@ -11,7 +12,9 @@ others low). --keep DIR keeps the copies there (cut-N.gguf), e.g. to ship one. E
 speculates greedily on chat questions at fixed n_max 1..4 (a step proposes n_max tokens); the
 drafts take turns within each repeat, in one process, and the medians of draft milliseconds per
 step are reported with acceptance: compare ratios, not absolute times (shared, noisy machines).
---draft NAME=PATH adds a draft of the same pair to the comparison (a DFlash2 draft, say).
+--draft NAME=PATH adds a draft of the same pair to the comparison (a DFlash2 draft, say);
+--requantize TYPE the shipped draft with its Q8_0 matrices requantized to TYPE (lossy on lossy;
+--keep keeps it, e.g. for benchmarks/tau.py).
 --conv-ops adds the shipped DFlash2 draft with its in-block convolutions as standard ggml ops, as
 an accelerator runs them (IKDFLASH_DFLASH2_CONV_OPS=1), against one host node each (the CPU's).
 """
@@ -61,6 +64,8 @@ def main() -> int:
     parser.add_argument("--ids", type=int, nargs="*", default=[16384, 8192])
     parser.add_argument("--draft", action="append", default=[], metavar="NAME=PATH",
                         help="another draft for the built-in target to time beside the shipped one")
+    parser.add_argument("--requantize", nargs="*", default=[], metavar="TYPE",
+                        help="also time the shipped draft with its Q8_0 matrices requantized (Q4_0, Q4_1, ...)")
     parser.add_argument("--conv-ops", action="store_true",
                         help="also time the shipped DFlash2 draft with its convolutions as standard ggml ops")
     parser.add_argument("--tokens", type=int, default=96)
@@ -83,6 +88,9 @@ def main() -> int:
         for n in args.ids:
             drafts[f"cut {n}"] = rewrite(shipped, folder / f"cut-{n}.gguf",
                                          fields={key: sorted(int(i) for i in ranked[:n])})
+        for name in args.requantize:
+            drafts[name] = rewrite(shipped, folder / f"requantized-{name}.gguf",
+                                   requantize=gguf.GGMLQuantizationType[name.upper()])
         for named in args.draft:
             name, _, path = named.partition("=")
             drafts[name] = Path(path)
