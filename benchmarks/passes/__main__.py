@@ -13,6 +13,7 @@ COMMANDS = {
     "capture": "capture",
     "draft-step": "draft_step",
     "draft-head": "draft_head",
+    "draft-in-loop": "draft_in_loop",
     "cross-ctx-memory": "cross_ctx_memory",
     "cuda-build": "cuda_build",
 }
