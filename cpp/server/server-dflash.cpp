@@ -280,13 +280,6 @@ bool dflash_slot_init(server_context & server, server_slot & slot) {
     return true;
 }
 
-void dflash_slot_new_request(server_slot & slot) {
-    slot.spec_counts = {};
-    if (slot.dflash.adapt) {
-        dflash_adapt_reset(slot.dflash.adapt);
-    }
-}
-
 void dflash_slot_forget(server_slot & slot) {
     if (slot.dflash) {
         dflash_seq_reset(slot.dflash.seq);

@@ -69,8 +69,6 @@ size_t dflash_state_seq_set_data(llama_context * ctx, const uint8_t * src, size_
 // --- a slot's life ------------------------------------------------------------------------------
 
 bool dflash_slot_init(server_context & server, server_slot & slot);
-// A new request: the controller's and the counts' state start anew.
-void dflash_slot_new_request(server_slot & slot);
 // The slot's cells are gone (erase, a failed restore): so are the draft's rows.
 void dflash_slot_forget(server_slot & slot);
 // The prompt cache: the draft's rows travel with the prompt they describe.

@@ -32,6 +32,13 @@ json counter(const char * name, const char * help, uint64_t value) {
 
 }  // namespace
 
+void speculation_new_request(server_slot & slot) {
+    slot.spec_counts = {};
+    if (slot.dflash.adapt) {
+        dflash_adapt_reset(slot.dflash.adapt);
+    }
+}
+
 int speculation_n_max(const server_slot & slot) {
     if (slot.spec_counts.drafting_stopped) {
         return 0;

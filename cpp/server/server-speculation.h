@@ -44,6 +44,10 @@ struct speculation_totals {
     json to_json() const;
 };
 
+// A new request on the slot, whatever its speculation: its counts start anew, and so does a
+// DFlash slot's controller.
+void speculation_new_request(server_slot & slot);
+
 // The most drafts the slot's next step may carry, before the base's limits: n_max, bounded by the
 // DFlash block; 0 once min_accept stopped drafting.
 int speculation_n_max(const server_slot & slot);
