@@ -2,28 +2,41 @@
 without a draft.
 
     python -m benchmarks.server load [--slots 2 4] [--rounds 3] [--tokens 128] [--json out.json] [--lookup-off]
-        [--other PATH/llama-server] [--useless] [--questions chat|held-out]
+        [--other PATH/llama-server] [--useless] [--questions chat|held-out] [--waves]
 
-For each --slots N, each round starts the packaged llama-server with --parallel N twice, with the
-draft (default --spec-type dflash: adaptive) and without, in an order that alternates by round,
-and sends the same 8 chat questions N at a time (greedy, --tokens each, the pair's system prompt,
-no prompt cache). A server's throughput is the tokens generated over the wall time from the first
-request sent to the last reply. Reported per N: each round's ratio (draft / no draft), their
-median, the one-token decodes the load chose (/metrics dflash_load_plain_steps_total), and the
-share of the wall time the draft steps took (the replies' timings.draft_ms summed: a server runs
-its slots' draft steps one after another).
---other adds a third server per round, another build's llama-server with the same draft and
-flags (e.g. one before a change), in the same rotation, and reports it against the same plain runs;
---lookup-off one with the draft and the n-gram lookup off (--spec-type dflash:lookup=0).
---useless serves the draft reading the target's layers in reverse (benchmarks.adaptive's useless
-workload: the same cost, next to nothing kept), to measure what DFlash costs where drafting never
-pays. --questions held-out asks the 24 held-out chat questions of benchmarks/tau.py instead of the
-8 above (with --slots 1: the draft's own chat gain through llama-server).
+For each --slots N, the packaged llama-server starts with --parallel N twice, with the draft
+(default --spec-type dflash: adaptive) and without. Both stay up, serve one warm-up run, then take
+turns, in an order that alternates by round, so that the runs of a round are seconds apart on a
+machine whose speed drifts.
+
+A run is a steady load: the 8 chat questions, twice (greedy, the pair's system prompt, no prompt
+cache), N requests in flight, each next one sent as soon as a reply comes back. The replies' lengths
+are fixed and spread over --tokens/2 .. 3 --tokens/2 (ignore_eos), so that both servers generate
+the same tokens whatever their batches' rounding, and the slots do not finish in lock-step, which
+replies of one length would make them do without a draft and not with one (a synchronized server
+turns its slots over all at once). --waves measures the earlier way instead: the 8 questions sent
+N at a time, each wave after the one before has answered, every reply ending at its end-of-text
+token or at --tokens.
+
+A server's throughput is the tokens generated over the wall time from the first request sent to the
+last reply. Reported per N: each round's ratio (draft / no draft), their median, the one-token
+decodes the load chose (/metrics dflash_load_plain_steps_total), and the share of the wall time the
+draft steps took (the replies' timings.draft_ms summed: a server runs its slots' draft steps one
+after another).
+
+--other adds a third server, another build's llama-server with the same draft and flags (e.g. one
+before a change), in the same rotation, and reports it against the same plain runs; --lookup-off
+one with the draft and the n-gram lookup off (--spec-type dflash:lookup=0). --useless serves the
+draft reading the target's layers in reverse (benchmarks.adaptive's useless workload: the same
+cost, next to nothing kept), to measure what DFlash costs where drafting never pays. --questions
+held-out asks the 24 held-out chat questions of benchmarks/tau.py instead of the 8 above (with
+--slots 1: the draft's own chat gain through llama-server).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import statistics
@@ -55,6 +68,15 @@ def chat_bodies(tokens: int, questions: Sequence[str] = QUESTIONS) -> list[dict]
              "max_tokens": tokens, "temperature": 0, "cache_prompt": False} for q in questions]
 
 
+def steady_bodies(tokens: int, questions: Sequence[str]) -> list[dict]:
+    """The questions twice, each reply running to a length of its own past its end-of-text token:
+    --tokens/2 .. 3 --tokens/2, in an order that mixes them."""
+    bodies = chat_bodies(tokens, questions) * 2
+    spread = tokens + 1
+    return [{**body, "max_tokens": tokens // 2 + (i * 37) % spread, "ignore_eos": True}
+            for i, body in enumerate(bodies)]
+
+
 def server_flags(draft: Path | None, slots: int, spec: SpecType | None = None) -> list[str]:
     """--parallel slots, with the draft at --spec-type spec (default: dflash) when one is given."""
     flags = ["--parallel", str(slots)]
@@ -69,23 +91,40 @@ def post_in_waves(route: str, bodies: list[dict], slots: int) -> list[dict]:
     return replies
 
 
-def serve_once(target: Path, draft: Path | None, slots: int, tokens: int, binary: Path | None = None,
-               extra: Sequence[str] = (), spec: SpecType | None = None, questions: Sequence[str] = QUESTIONS) -> dict:
-    bodies = chat_bodies(tokens, questions)
-    with Server(target, ctx_size=2048 * slots, extra_args=server_flags(draft, slots, spec) + ["--metrics", *extra],
-                binary=binary) as url:
-        start = time.monotonic()
-        replies = post_in_waves(url + "/v1/chat/completions", bodies, slots)
-        seconds = time.monotonic() - start
-        metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+def load_plain_steps(url: str) -> int:
+    """The server's one-token decodes chosen for the load so far (0 without a draft)."""
+    metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    held = re.search(r"^llamacpp:dflash_load_plain_steps_total (\d+)", metrics, re.MULTILINE)
+    return int(held.group(1)) if held else 0
+
+
+def run_load(url: str, bodies: list[dict], slots: int, waves: bool = False) -> dict:
+    """The bodies sent to a running server (started with --metrics), `slots` in flight (or in
+    waves): its throughput."""
+    held_before = load_plain_steps(url)
+    start = time.monotonic()
+    route = url + "/v1/chat/completions"
+    replies = post_in_waves(route, bodies, slots) if waves else post_json_concurrently(route, bodies, in_flight=slots)
+    seconds = time.monotonic() - start
     generated = sum(r["usage"]["completion_tokens"] for r in replies)
     draft_ms = sum(r.get("timings", {}).get("draft_ms", 0.0) for r in replies)
     prompt_ms = sum(r.get("timings", {}).get("prompt_ms", 0.0) for r in replies)
     prompt_n = sum(r.get("timings", {}).get("prompt_n", 0) for r in replies)
-    held = re.search(r"^llamacpp:dflash_load_plain_steps_total (\d+)", metrics, re.MULTILINE)
     return {"tokens": generated, "seconds": seconds, "tokens_per_second": generated / seconds,
-            "load_plain_steps": int(held.group(1)) if held else 0, "draft_share": draft_ms / 1e3 / seconds,
+            "load_plain_steps": load_plain_steps(url) - held_before, "draft_share": draft_ms / 1e3 / seconds,
             "prompt_tokens_per_second": prompt_n / (prompt_ms / 1e3) if prompt_ms else None}
+
+
+def start_server(target: Path, draft: Path | None, slots: int, binary: Path | None = None,
+                 extra: Sequence[str] = (), spec: SpecType | None = None) -> Server:
+    return Server(target, ctx_size=2048 * slots, extra_args=server_flags(draft, slots, spec) + ["--metrics", *extra],
+                  binary=binary)
+
+
+def serve_once(target: Path, draft: Path | None, slots: int, tokens: int, extra: Sequence[str] = ()) -> dict:
+    """A server started for one run of the chat questions in waves."""
+    with start_server(target, draft, slots, extra=extra) as url:
+        return run_load(url, chat_bodies(tokens), slots, waves=True)
 
 
 def main() -> None:
@@ -100,6 +139,8 @@ def main() -> None:
     parser.add_argument("--useless", action="store_true",
                         help="the draft reading the target's layers in reverse: drafting never pays")
     parser.add_argument("--questions", choices=("chat", "held-out"), default="chat")
+    parser.add_argument("--waves", action="store_true",
+                        help="the questions sent N at a time, each reply ending at its end-of-text token or --tokens")
     args = parser.parse_args()
 
     target, draft = resolve_pair(DEFAULT_PAIR)
@@ -110,13 +151,16 @@ def main() -> None:
         results = measure(args, target, draft, questions)
     if args.json:
         write_result(args.json, {"tokens": args.tokens, "other": str(args.other) if args.other else None,
-                                 "useless": args.useless, "questions": questions, "slots": results},
+                                 "useless": args.useless, "questions": questions,
+                                 "waves": args.waves, "slots": results},
                      os.cpu_count() or 1)
 
 
 def measure(args: argparse.Namespace, target: Path, draft: Path, questions: Sequence[str]) -> dict:
-    """Per --slots N: every round's runs and ratios, and their medians."""
+    """Per --slots N: every round's runs and ratios, and their medians. The servers stay up through
+    the rounds and take turns, so that the runs of one round are seconds apart."""
     results = {}
+    bodies = chat_bodies(args.tokens, questions) if args.waves else steady_bodies(args.tokens, questions)
     for slots in args.slots:
         rounds = []
         configs = {"dflash": (draft, None, None), "plain": (None, None, None)}
@@ -125,18 +169,22 @@ def measure(args: argparse.Namespace, target: Path, draft: Path, questions: Sequ
         if args.lookup_off:
             configs["lookup=0"] = (draft, None, SpecType(lookup=False))
         names = list(configs)
-        for r in range(args.rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
-            runs = {name: serve_once(target, configs[name][0], slots, args.tokens, configs[name][1],
-                                     spec=configs[name][2], questions=questions) for name in order}
-            ratios = {name: runs[name]["tokens_per_second"] / runs["plain"]["tokens_per_second"]
-                      for name in names if name != "plain"}
-            rounds.append({**runs, "ratios": ratios})
-            print(f"--parallel {slots} round {r + 1}: " + ", ".join(
-                f"{name} {runs[name]['tokens_per_second']:.1f} tok/s" for name in names) + "; against plain " +
-                  ", ".join(f"{name} {ratio:.3f}x" for name, ratio in ratios.items()) +
-                  f" ({runs['dflash']['load_plain_steps']} steps held by load,"
-                  f" drafting {runs['dflash']['draft_share']:.1%} of the wall time)", flush=True)
+        with contextlib.ExitStack() as servers:
+            urls = {name: servers.enter_context(start_server(target, configs[name][0], slots, configs[name][1],
+                                                             spec=configs[name][2])) for name in names}
+            for name in names:
+                run_load(urls[name], bodies[:slots], slots, args.waves)  # warm-up: every slot has served once
+            for r in range(args.rounds):
+                order = names[r % len(names):] + names[:r % len(names)]
+                runs = {name: run_load(urls[name], bodies, slots, args.waves) for name in order}
+                ratios = {name: runs[name]["tokens_per_second"] / runs["plain"]["tokens_per_second"]
+                          for name in names if name != "plain"}
+                rounds.append({**runs, "ratios": ratios})
+                print(f"--parallel {slots} round {r + 1}: " + ", ".join(
+                    f"{name} {runs[name]['tokens_per_second']:.1f} tok/s" for name in names) + "; against plain " +
+                      ", ".join(f"{name} {ratio:.3f}x" for name, ratio in ratios.items()) +
+                      f" ({runs['dflash']['load_plain_steps']} steps held by load,"
+                      f" drafting {runs['dflash']['draft_share']:.1%} of the wall time)", flush=True)
         medians = {name: statistics.median(r["ratios"][name] for r in rounds) for name in rounds[0]["ratios"]}
         print(f"--parallel {slots}: median against plain " + ", ".join(f"{n} {m:.3f}x" for n, m in medians.items()))
         results[str(slots)] = {"rounds": rounds, "median_ratios": medians}

@@ -69,9 +69,10 @@ def stream_json(url: str, body: dict[str, Any], timeout: float = 300.0,
 
 
 def post_json_concurrently(url: str, bodies: Sequence[dict[str, Any]], timeout: float = 300.0,
-                           api_key: str | None = None) -> list[dict[str, Any]]:
-    """POST every body to url at the same time (one thread each); the replies, in order."""
-    with ThreadPoolExecutor(max_workers=max(1, len(bodies))) as pool:
+                           api_key: str | None = None, in_flight: int | None = None) -> list[dict[str, Any]]:
+    """POST every body to url at the same time (one thread each), or with in_flight: that many at a
+    time, each next body sent as soon as a reply comes back; the replies, in order."""
+    with ThreadPoolExecutor(max_workers=max(1, in_flight or len(bodies))) as pool:
         return list(pool.map(lambda body: post_json(url, body, timeout, api_key), bodies))
 
 
