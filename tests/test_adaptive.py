@@ -325,6 +325,25 @@ def test_rows_that_cost_nothing_are_drafted_beside_any_load():
     assert ctl.plan(4, (15, 15.0, 0.03)) == (4, 4) and ctl.stats()["n_load_plain"] == 0
 
 
+def test_a_row_count_measured_dearer_than_the_next_does_not_make_that_row_free():
+    """A 4-slot server's 3-row passes ran while a slot between requests had the HTTP thread beside
+    them, and their estimate rose above the 4-row one: one more row then looked cheaper than none,
+    and beside two slots' tokens the draft was verified where it was kept 2-4 times in 10. A row
+    count measured cheaper than a smaller one is priced at that one plus the median rise of a row."""
+    def plan_beside_two(three_rows_ms: float) -> int:
+        ctl = BlockController(4, [1.0, 1.15, 1.3, 1.45, 1.6, 1.75, 1.9, 2.05], 0.15)
+        run_steps(ctl, 200, lambda step: step % 10 < 3)  # kept 3 times in 10
+        for _ in range(100):  # runs of 4-row passes at their cost, of 3-row passes at three_rows_ms
+            for _ in range(4):
+                ctl.observe_pass(4, 1.45)
+            for _ in range(3):
+                ctl.observe_pass(3, three_rows_ms)
+        return ctl.plan(4, (2, 2.0, 0.0))[1]
+
+    assert plan_beside_two(1.3) == 0
+    assert plan_beside_two(1.3 * 1.4) == 0
+
+
 # (passes per row count, draft step, the others' rows, tokens and draft ms): probes expected?
 PROBE_CASES = {
     # a pass costs the same up to 8 rows, a draft step as much: a draft kept 90% of the time

@@ -23,6 +23,7 @@ dflash_costs * dflash_costs_init(int max_rows) {
         auto c = new dflash_costs();
         c->max_rows = max_rows;
         c->shape.assign(max_rows + 1, 1.0);
+        c->priced.assign(max_rows + 1, 1.0);
         c->draft_ms.assign(max_rows + 1, 0.0);
         c->measured_at.assign(max_rows + 1, 0);
         return c;

@@ -39,6 +39,11 @@ inline constexpr int k_calibration_stride = 4;
 // reuses the graph and counts), and that measurement replaces the stale estimate (within
 // k_outlier of it).
 inline constexpr long k_stale_passes = 256;
+// Each row count's estimate follows only its own passes, which meet the machine at different
+// moments: on a 4-slot server a slot between requests leaves 3-row passes that run beside the HTTP
+// thread, and those estimates rose above the 4-row ones, so that one more draft row looked free
+// and drafts the target kept 2 times in 10 were verified. A row count measured cheaper than a
+// smaller one is priced at that one plus the median rise of a row (reprice).
 
 inline double clamped(double value, double estimate) {
     return std::clamp(value, estimate / k_outlier, estimate * k_outlier);
@@ -53,6 +58,7 @@ inline double clamped(double value, double estimate) {
 struct dflash_costs {
     int max_rows = 0;
     std::vector<double> shape;     // [r], r = 1..max_rows; [0] unused
+    std::vector<double> priced;    // [r]: shape, never below a smaller count's (reprice)
     double scale_ms = 0.0;         // t_pass(1); 0 until measured
     std::vector<double> draft_ms;  // [n]: a draft step proposing n tokens in a run of them; 0 until measured
     double catch_up_ms = 0.0;      // a draft step after plain passes (a probe); 0 until measured
@@ -68,7 +74,31 @@ struct dflash_costs {
         return !frozen && n_passes > 0 && rows >= 1 && rows <= max_rows && n_passes - measured_at[rows] > dflash_impl::k_stale_passes;
     }
 
-    double pass_ms(int rows) const { return scale_ms * shape[std::clamp(rows, 1, max_rows)]; }
+    // What the controller prices a pass of `rows` rows at (see k_least_row_share).
+    double pass_ms(int rows) const { return scale_ms * priced[std::clamp(rows, 1, max_rows)]; }
+
+    // What the passes of `rows` rows have measured.
+    double measured_ms(int rows) const { return scale_ms * shape[std::clamp(rows, 1, max_rows)]; }
+
+    void reprice() {
+        std::vector<double> rises;  // from one row count to the next, where it rises
+        for (int r = 2; r <= std::min(max_rows, dflash_impl::k_calibrated_every_row); ++r) {
+            if (shape[r] > shape[r - 1]) {
+                rises.push_back(shape[r] - shape[r - 1]);
+            }
+        }
+        double rise = 0.0;
+        if (!rises.empty()) {
+            std::nth_element(rises.begin(), rises.begin() + rises.size() / 2, rises.end());
+            rise = rises[rises.size() / 2];
+        }
+        priced.assign(shape.begin(), shape.end());
+        for (int r = 2; r <= max_rows; ++r) {
+            if (shape[r] < priced[r - 1]) {
+                priced[r] = priced[r - 1] + rise;
+            }
+        }
+    }
 
     // The next pass's cost if it has `rows` rows: with a share of a graph rebuild where the last
     // pass had another shape.
@@ -116,7 +146,7 @@ struct dflash_costs {
         }
         if (!same_shape) {
             if (scale_ms > 0.0) {
-                const double extra = std::clamp(ms - pass_ms(rows), 0.0, pass_ms(rows));
+                const double extra = std::clamp(ms - measured_ms(rows), 0.0, measured_ms(rows));
                 switch_ms += dflash_impl::k_scale_weight * (extra - switch_ms);
             }
             return;
@@ -125,7 +155,7 @@ struct dflash_costs {
             scale_ms = ms / shape[rows];
             return;
         }
-        ms = dflash_impl::clamped(ms, pass_ms(rows));
+        ms = dflash_impl::clamped(ms, measured_ms(rows));
         if (rows > 1 && stale(rows)) {  // the shape is an old guess: the measurement replaces it
             shape[rows] = ms / scale_ms;
         } else {
@@ -133,6 +163,9 @@ struct dflash_costs {
             if (rows > 1) {
                 shape[rows] += dflash_impl::k_shape_weight * (ms / scale_ms - shape[rows]);
             }
+        }
+        if (rows > 1) {
+            reprice();
         }
         measured_at[rows] = n_passes;
     }
@@ -164,6 +197,7 @@ struct dflash_costs {
         for (int r = 1; r <= max_rows; ++r) {
             shape[r] = std::max(ms[r - 1] / ms[0], shape[r - 1]);
         }
+        reprice();
     }
 
     // IKDFLASH_COSTS="draft_ms:pass_ms_1,pass_ms_2,..." (tests): these costs, fixed, instead of
