@@ -195,3 +195,24 @@ def test_a_cut_reply_still_counts_every_token(server):
             assert all(len(entry["probs"]) == 2 for entry in probs)
             cut += any(entry["content"].startswith("byte: ") for entry in probs)  # a piece of a character
     assert cut > 0
+
+
+def test_repetition_penalties_reach_back_a_whole_window(server):
+    """A new request resets its sampler, which emptied the tokens the repetition penalties read
+    and then kept only the last one, so a reply that repeated its prompt read the same with any
+    repeat_penalty. The penalties now read the reply's last repeat_last_n tokens: penalized
+    without measure, no token but the newline (spared unless penalize_nl) comes back within them."""
+    prompt, window = "The cat sat on the mat. The cat sat on the", 8
+
+    def pieces(penalty: float) -> list[str]:
+        body = {"prompt": prompt, "n_predict": 24, "temperature": 0, "n_probs": 1, "cache_prompt": False,
+                "repeat_penalty": penalty, "repeat_last_n": window}
+        status, raw = post(server + "/completion", body)
+        assert status == 200, raw[:200]
+        return [entry["content"] for entry in json.loads(raw.decode("utf-8"))["completion_probabilities"]]
+
+    def recurs(tokens: list[str]) -> bool:
+        return any(tokens[i] != "\n" and tokens[i] in tokens[max(0, i - window):i] for i in range(len(tokens)))
+
+    assert recurs(pieces(1.0))  # the sentence comes back unpenalized
+    assert not recurs(pieces(1e6))
