@@ -30,7 +30,7 @@ one with the draft and the n-gram lookup off (--spec-type dflash:lookup=0). --us
 draft reading the target's layers in reverse (benchmarks.adaptive's useless workload: the same
 cost, next to nothing kept), to measure what DFlash costs where drafting never pays. --questions
 held-out asks the 24 held-out chat questions of benchmarks/tau.py instead of the 8 above (with
---slots 1: the draft's own chat gain through llama-server).
+--slots 1 --waves: the draft's own chat gain through llama-server, each reply the target's own).
 """
 
 from __future__ import annotations
