@@ -39,11 +39,6 @@ inline constexpr int k_calibration_stride = 4;
 // reuses the graph and counts), and that measurement replaces the stale estimate (within
 // k_outlier of it).
 inline constexpr long k_stale_passes = 256;
-// Each row count's estimate follows only its own passes, which meet the machine at different
-// moments: on a 4-slot server a slot between requests leaves 3-row passes that run beside the HTTP
-// thread, and those estimates rose above the 4-row ones, so that one more draft row looked free
-// and drafts the target kept 2 times in 10 were verified. A row count measured cheaper than a
-// smaller one is priced at that one plus the median rise of a row (reprice).
 
 inline double clamped(double value, double estimate) {
     return std::clamp(value, estimate / k_outlier, estimate * k_outlier);
@@ -74,12 +69,16 @@ struct dflash_costs {
         return !frozen && n_passes > 0 && rows >= 1 && rows <= max_rows && n_passes - measured_at[rows] > dflash_impl::k_stale_passes;
     }
 
-    // What the controller prices a pass of `rows` rows at (see k_least_row_share).
+    // What the controller prices a pass of `rows` rows at (see reprice).
     double pass_ms(int rows) const { return scale_ms * priced[std::clamp(rows, 1, max_rows)]; }
 
     // What the passes of `rows` rows have measured.
     double measured_ms(int rows) const { return scale_ms * shape[std::clamp(rows, 1, max_rows)]; }
 
+    // Each row count's estimate follows only its own passes, which meet the machine at different
+    // moments (a server's 3-row passes run while a slot between requests has its HTTP thread beside
+    // them), so a count can come to measure cheaper than a smaller one, and one more draft row
+    // would look free. Such a count is priced at the smaller one plus the median rise of a row.
     void reprice() {
         std::vector<double> rises;  // from one row count to the next, where it rises
         for (int r = 2; r <= std::min(max_rows, dflash_impl::k_calibrated_every_row); ++r) {
