@@ -10,6 +10,7 @@ COMMANDS = {
     "target-confidence": "target_confidence",
     "free-signals": "free_signals",
     "lookup-keys": "lookup_keys",
+    "load-order": "load_order",
 }
 
 sys.exit(run_command("benchmarks.adaptive", adaptive.__doc__ or "", COMMANDS))

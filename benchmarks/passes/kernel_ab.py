@@ -1,7 +1,7 @@
 """Target pass costs with the installed fork's ggml against another build of it, paired.
 
     python -m benchmarks.passes kernel-ab OTHER/libggml.so [--target T.gguf] [--rows 1 2 3 5] [--context 128]
-                                   [--rounds 6] [--repeats 9] [--json out.json]
+                                   [--rounds 6] [--repeats 9] [--repack] [--json out.json]
 
 For a kernel change in the fork: build the fork before the change, keep its libggml.so, install
 the change, and compare. Each round measures both builds, one process each (the other one
@@ -25,10 +25,13 @@ from pathlib import Path
 from benchmarks.harness import ROOT, write_result
 
 
-def child(target: str, rows: list[int], context: int, repeats: int) -> None:
+THREADS = 2
+
+
+def child(target: str, rows: list[int], context: int, repeats: int, repack: bool) -> None:
     from ikdflash import _core
 
-    model = _core.Model(target, n_ctx=context + max(rows) + 8, n_threads=2, n_batch=max(rows), repack=False)
+    model = _core.Model(target, n_ctx=context + max(rows) + 8, n_threads=THREADS, n_batch=max(rows), repack=repack)
     try:
         _core.measure.time_passes(model, rows, context, 2)  # warm-up: pages weights in, plans buffers
         times = _core.measure.time_passes(model, rows, context, repeats)
@@ -42,7 +45,8 @@ def measure(other: Path | None, args: argparse.Namespace, target: str) -> list[f
     if other is not None:
         env["LD_PRELOAD"] = str(other)
     command = [sys.executable, "-m", "benchmarks.passes", "kernel-ab", "--child", "--target", target,
-               "--context", str(args.context), "--repeats", str(args.repeats), "--rows", *map(str, args.rows)]
+               "--context", str(args.context), "--repeats", str(args.repeats), "--rows", *map(str, args.rows),
+               *(["--repack"] if args.repack else [])]
     done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
         sys.exit(f"a measuring process failed ({'other' if other else 'installed'} build):\n{done.stderr[-2000:]}")
@@ -57,13 +61,15 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repack", action="store_true",
+                        help="repack the weights at load (llama-server's -rtr; the built-in target's default)")
     parser.add_argument("--json", type=Path, help="write the results here too")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rows[0] != 1:
         parser.error("--rows must start with 1 (the other counts are reported against it)")
     if args.child:
-        child(args.target, args.rows, args.context, args.repeats)
+        child(args.target, args.rows, args.context, args.repeats, args.repack)
         return
     if args.other is None or not args.other.is_file():
         parser.error(f"the other build's libggml.so is required and must exist (got {args.other})")
@@ -85,8 +91,9 @@ def main() -> None:
         paired = statistics.median(m[j] / o[j] for m, o in zip(runs["installed"], runs["other"], strict=True))
         own = [statistics.median(x[j] / x[0] for x in runs[k]) for k in ("installed", "other")]
         table.append({"rows": n, "installed_ms": mine, "other_ms": theirs, "installed_over_other": paired,
+                      "per_round": [m[j] / o[j] for m, o in zip(runs["installed"], runs["other"], strict=True)],
                       "installed_vs_one_row": own[0], "other_vs_one_row": own[1]})
         print(f"{n:>4} | {mine:7.2f}ms {theirs:7.2f}ms | {paired:15.3f} | {own[0]:17.2f}x {own[1]:5.2f}x")
     if args.json:
-        write_result(args.json, {"target": args.target, "other": str(args.other), "context": args.context,
-                                 "rounds": args.rounds, "repeats": args.repeats, "rows": table}, args.threads)
+        write_result(args.json, {"target": args.target, "other": str(args.other), "context": args.context, "repack": args.repack,
+                                 "rounds": args.rounds, "repeats": args.repeats, "rows": table}, THREADS)
