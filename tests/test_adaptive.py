@@ -344,6 +344,25 @@ def test_a_row_count_measured_dearer_than_the_next_does_not_make_that_row_free()
     assert plan_beside_two(1.3 * 1.4) == 0
 
 
+def test_one_row_passes_set_the_scale_and_runs_of_two_rows_their_own_shape():
+    """A 2-row pass calibrated at 1.1 one-row passes costs 1.6 in the loop (after a draft step).
+    Runs of such passes between one-row ones (each run's first rebuilt the graph and does not
+    count) must teach the controller that a 2-row step costs 1.6 and a one-row step 1.0, so that a
+    draft kept half the time (1.5 tokens for 1.6 + 0.15) is not verified. When every pass moved
+    the one-row scale too, the runs raised it to 1.17 and left the shape at 1.29: plain decoding
+    looked dearer than drafting."""
+    ctl = BlockController(1, [1.0, 1.1], 0.15)
+    run_steps(ctl, 200, lambda step: step % 2 == 0)
+    assert 0.35 < ctl.acceptance()[0] < 0.65, ctl.acceptance()
+    for _ in range(8):
+        for _ in range(3):
+            ctl.observe_pass(1, 1.0)
+        ctl.observe_pass(2, 1.6 + 0.15)  # after one-row passes: rebuilt
+        for _ in range(3):
+            ctl.observe_pass(2, 1.6)
+    assert ctl.plan(1)[1] == 0
+
+
 # (passes per row count, draft step, the others' rows, tokens and draft ms): probes expected?
 PROBE_CASES = {
     # a pass costs the same up to 8 rows, a draft step as much: a draft kept 90% of the time

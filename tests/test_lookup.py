@@ -71,6 +71,29 @@ def test_a_short_offer_loses_to_a_draft_that_is_right_for_longer():
     assert takeover < 20 and all(c == (4, False) for c in chosen[takeover:]), chosen[:40]
 
 
+def test_a_lone_lookup_step_pays_for_both_graph_rebuilds():
+    """Where the text repeats now and then, the lookup offers at one step in ten: verifying its
+    token leaves a run of one-row passes for one 2-row pass and comes back, rebuilding the target's
+    graph both ways (0.15 of a one-row pass each here). A token kept 45% of the time buys 1.45
+    tokens for 1.3 + 0.3 passes: not worth it, though it would be at every step of a run of
+    offers, where no rebuild is paid."""
+    import random
+
+    coin = random.Random(7)
+    ctl = BlockController(1, [1.0, 1.3], 1.0)  # a draft step too dear to draft
+    last, verified = 1, []
+    for step in range(1000):
+        right = coin.random() < 0.45
+        offer = [TARGET if right else 2] if step % 10 == 0 else []
+        _, n_verify, from_lookup = ctl.plan_offered(1, offer)
+        ctl.observe_pass(n_verify + 1, [1.0, 1.3][n_verify] + (0.15 if n_verify + 1 != last else 0.0))
+        last = n_verify + 1
+        ctl.committed(n_verify, [TARGET] * (1 + (n_verify > 0 and right)))
+        verified.append(from_lookup)
+    assert 0.3 < ctl.acceptance(lookup=True)[0] < 0.6
+    assert sum(verified[-500:]) <= 5, sum(verified[-500:])
+
+
 def test_neither_right_decodes_one_token_at_a_time():
     ctl = BlockController(4, CPU_PASSES, CPU_DRAFT)
     chosen = drive(ctl, 200, draft_right=False, lookup=[2, 2, 2, 2])

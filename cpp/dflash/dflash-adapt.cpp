@@ -271,11 +271,13 @@ struct dflash_adapt {
     }
 
     // Tokens per millisecond of a step verifying k tokens kept as p says, its proposal costing
-    // draft_ms, in the pass beside the others' parts.
+    // draft_ms, in the pass beside the others' parts. A lone step (the lookup's, alone in its
+    // pass) pays for leaving the last pass's shape and coming back to it.
     template <typename Acceptance>
-    double rate(int k, Acceptance p, double draft_ms, const dflash_load::part & others) const {
-        const double step_ms = others.draft_ms + draft_ms + costs->next_pass_ms(others.rows + k + 1);
-        return (others.tokens + expected_tokens(k, p)) / step_ms;
+    double rate(int k, Acceptance p, double draft_ms, const dflash_load::part & others, bool lone = false) const {
+        const int rows = others.rows + k + 1;
+        const double pass_ms = lone && others.rows == 0 ? costs->lone_pass_ms(rows) : costs->next_pass_ms(rows);
+        return (others.tokens + expected_tokens(k, p)) / (others.draft_ms + draft_ms + pass_ms);
     }
 
     // The draft's k; a plain step (k = 0) has no draft step.
@@ -336,7 +338,7 @@ struct dflash_adapt {
         int best = 0;
         double best_rate = drafted_rate(draftless ? 0 : best_k(n_limit, rate_as_drafted(n_limit, others)), n_limit, others);
         for (int k = 1; k <= std::min(n_limit, n_offered); ++k) {
-            const double r = rate(k, pl, 0.0, others);
+            const double r = rate(k, pl, 0.0, others, true);
             if (r > best_rate) {
                 best = k;
                 best_rate = r;

@@ -14,12 +14,14 @@
 namespace dflash_impl {
 
 // A pass of another row count than the pass before rebuilds the target's graph (patch `llama-reuse-the-last-graph-for-a-multi-token-batch-o` reuses
-// it only for the same shape): on SmolLM2's pair +1.0 ms on a 2-row pass after a 1-row one, +0.6
-// ms back, against 6.4 ms for a one-row pass. A change of k pays that once for a run of steps, so
+// it only for the same shape): on SmolLM2's pair +0.4 ms on a 2-row pass after a 1-row one, +0.6
+// ms back, against 3.5 ms for a one-row pass. A change of k pays that once for a run of steps, so
 // the controller charges a k other than the last one this share of it per step: enough that a
 // draft kept about as often as it pays does not flip k at every step, not so much that a stretch
-// where drafting pays is left at k = 0.
+// where drafting pays is left at k = 0. A lookup's offer comes where the text repeats and seldom
+// for long, so its step pays for the rebuild into its shape and the one back, whole.
 inline constexpr double k_switch_share = 0.25;
+inline constexpr double k_lone_step_switches = 2.0;
 // Pass costs follow the machine: running averages with these weights, and one observation moves
 // an estimate by at most this factor (a stall of the shared machine is not the new cost).
 inline constexpr double k_scale_weight = 0.1;
@@ -105,6 +107,11 @@ struct dflash_costs {
         return pass_ms(rows) + (rows == last_rows ? 0.0 : dflash_impl::k_switch_share * switch_ms);
     }
 
+    // The same for a step that leaves the last pass's shape for itself alone: both rebuilds.
+    double lone_pass_ms(int rows) const {
+        return pass_ms(rows) + (rows == last_rows ? 0.0 : dflash_impl::k_lone_step_switches * switch_ms);
+    }
+
     // The same for a mean number of rows, between the two whole counts around it.
     double next_pass_ms(double rows) const {
         const int below = (int) std::floor(rows);
@@ -157,11 +164,13 @@ struct dflash_costs {
         ms = dflash_impl::clamped(ms, measured_ms(rows));
         if (rows > 1 && stale(rows)) {  // the shape is an old guess: the measurement replaces it
             shape[rows] = ms / scale_ms;
-        } else {
+        } else if (rows == 1 || stale(1)) {
             scale_ms += dflash_impl::k_scale_weight * (ms / shape[rows] - scale_ms);
-            if (rows > 1) {
-                shape[rows] += dflash_impl::k_shape_weight * (ms / scale_ms - shape[rows]);
-            }
+        } else {
+            // One-row passes set the scale while they run: a pass of more rows moving it as well
+            // (after a draft step, whose weights pushed the target's out of the caches) left its
+            // own shape at the start-up's ratio (1.1 for 2 rows where 1.3 was paid).
+            shape[rows] += dflash_impl::k_shape_weight * (ms / scale_ms - shape[rows]);
         }
         if (rows > 1) {
             reprice();
