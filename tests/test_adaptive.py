@@ -522,7 +522,8 @@ def test_the_server_times_its_passes_and_stays_lossless(swa_pairs, tmp_path, mon
     plain_steps = sum(r["timings"]["draft_steps_by_verified"][0] for r in replies)
     assert f"llamacpp:dflash_plain_steps_total {plain_steps}" in metrics
     text = log.read_text()
-    assert "dflash: adaptive block length on (n_max 4 the ceiling); target pass of 1..5 rows:" in text
+    assert re.search(r"dflash: adaptive block length on \(n_max 4 the ceiling\); target pass of 1\.\.5 rows:"
+                     r"( \d+\.\d\d){5} ms; a graph rebuild \d+\.\d\d ms\n", text)
     assert "dflash: steps by drafts verified {0: " in text
 
 

@@ -66,15 +66,23 @@ int dflash_costs_calibrate(dflash_costs * costs, llama_context * ctx) {
                 fail("a calibration pass of %d rows failed with code %d", rows, rc);
             }
         };
+        // The first pass of a count after another count's rebuilds the graph: what it costs more
+        // than the second is a rebuild (switch_ms; 0 until now), which later passes refine.
+        std::vector<double> rebuilds;
         auto pass = [&](int rows) {
+            double t0 = now_ms();
             decode(rows, 1, true);
-            const double t0 = now_ms();
+            const double rebuilt = now_ms() - t0;
+            t0 = now_ms();
             decode(rows, 1, true);  // as a verification pass
-            return now_ms() - t0;
+            const double reused = now_ms() - t0;
+            rebuilds.push_back(std::max(0.0, rebuilt - reused));
+            return reused;
         };
         llama_kv_cache_clear(ctx);
         decode(1, 0, false);
         pass(1);  // the first passes page weights in and plan buffers
+        rebuilds.clear();
         std::vector<int> timed;
         for (int r = 1; r <= max_rows; r += r < k_calibrated_every_row ? 1 : k_calibration_stride) {
             timed.push_back(r);
@@ -99,6 +107,8 @@ int dflash_costs_calibrate(dflash_costs * costs, llama_context * ctx) {
             }
         }
         costs->set_passes(best.data());
+        std::nth_element(rebuilds.begin(), rebuilds.begin() + rebuilds.size() / 2, rebuilds.end());
+        costs->switch_ms = rebuilds[rebuilds.size() / 2];
         return 0;
     }, -1);
 }
@@ -108,6 +118,8 @@ void dflash_costs_observe_pass(dflash_costs * costs, int n_rows, double ms) { co
 void dflash_costs_observe_draft(dflash_costs * costs, int n_tokens, double ms) { costs->observe_draft(n_tokens, ms); }
 
 double dflash_costs_pass_ms(const dflash_costs * costs, int n_rows) { return costs->pass_ms(n_rows); }
+
+double dflash_costs_rebuild_ms(const dflash_costs * costs) { return costs->switch_ms; }
 
 double dflash_costs_draft_ms(const dflash_costs * costs, int n_tokens) { return costs->draft_cost(n_tokens); }
 

@@ -228,7 +228,8 @@ typedef struct dflash_adapt dflash_adapt;  // one sequence's controller
 DFLASH_API dflash_costs * dflash_costs_init(int max_rows);
 DFLASH_API void   dflash_costs_free(dflash_costs * costs);
 // Time passes of 1..max_rows rows on ctx (sequence 0, a few rounds; the fastest of each counts;
-// past 16 rows every fourth count, those between interpolated).
+// past 16 rows every fourth count, those between interpolated), and a graph rebuild: each count's
+// first pass after another count's, against its second.
 // The context's cache is cleared before and after: call it before the context serves sequences.
 // Tests: IKDFLASH_COSTS="draft_ms:pass_ms_1,pass_ms_2,..." sets fixed costs instead (no timing,
 // observations ignored), so the controller's choices are the same on any machine.
@@ -243,6 +244,8 @@ DFLASH_API int    dflash_costs_calibrate(dflash_costs * costs, struct llama_cont
 DFLASH_API void   dflash_costs_observe_pass(dflash_costs * costs, int n_rows, double ms);
 DFLASH_API void   dflash_costs_observe_draft(dflash_costs * costs, int n_tokens, double ms);
 DFLASH_API double dflash_costs_pass_ms(const dflash_costs * costs, int n_rows);     // 0 while unknown
+// What a pass costs more when the one before had another row count (the target rebuilds its graph).
+DFLASH_API double dflash_costs_rebuild_ms(const dflash_costs * costs);
 // A count not yet observed costs what the nearest larger one observed does, else the nearest smaller.
 DFLASH_API double dflash_costs_draft_ms(const dflash_costs * costs, int n_tokens);  // 0 while unknown
 DFLASH_API int    dflash_costs_max_rows(const dflash_costs * costs);

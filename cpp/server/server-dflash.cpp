@@ -60,8 +60,10 @@ void time_passes(server_context & server) {
     for (int r = 1; r <= n_rows; ++r) {
         costs += string_format(" %.2f", dflash_costs_pass_ms(d.costs, r));
     }
-    LLAMA_LOG_INFO("dflash: adaptive block length on (n_max %d the ceiling%s); target pass of 1..%d rows:%s ms\n",
-                   n_max(server), d.draft ? "" : ", the lookup alone", n_rows, costs.c_str());
+    LLAMA_LOG_INFO("dflash: adaptive block length on (n_max %d the ceiling%s); target pass of 1..%d rows:%s ms; "
+                   "a graph rebuild %.2f ms\n",
+                   n_max(server), d.draft ? "" : ", the lookup alone", n_rows, costs.c_str(),
+                   dflash_costs_rebuild_ms(d.costs));
     d.load = dflash_load_init(server.params_base.n_parallel);
 }
 
