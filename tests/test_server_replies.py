@@ -197,6 +197,24 @@ def test_a_cut_reply_still_counts_every_token(server):
     assert cut > 0
 
 
+def test_penalized_replies_are_the_engines(server, pair):
+    """With repetition penalties, llama-server's greedy reply is Engine.generate's: both penalize
+    the last repeat_last_n tokens, the prompt's among them (the server pushes the prompt into its
+    sampler after the reset, and since patch `sampling-the-penalty-window-keeps-its-n_prev-tokens-`
+    keeps them)."""
+    from ikdflash import Engine
+
+    with Engine(pair[0], n_ctx=2048, n_threads=2) as engine:
+        prompt = engine.target.tokenize("The cat sat on the mat. The cat sat on the")
+        for penalty, window in ((1.3, 8), (1.1, 64)):
+            want = engine.generate(prompt, max_tokens=32, repeat_penalty=penalty, repeat_last_n=window).text
+            body = {"prompt": prompt, "n_predict": 32, "temperature": 0, "cache_prompt": False,
+                    "repeat_penalty": penalty, "repeat_last_n": window}
+            status, raw = post(server + "/completion", body)
+            assert status == 200, raw[:200]
+            assert json.loads(raw.decode("utf-8"))["content"] == want, (penalty, window)
+
+
 def test_repetition_penalties_reach_back_a_whole_window(server):
     """A new request resets its sampler, which emptied the tokens the repetition penalties read
     and then kept only the last one, so a reply that repeated its prompt read the same with any

@@ -295,7 +295,7 @@ struct dflash_engine::generation {
 
     generation(dflash_engine & e, int max_tokens, const dflash_sampling & sampling, llama_token * out,
                dflash_stats & st, int32_t * step_lengths, dflash_logprobs * logprobs)
-        : e(e), n_ctx((int) llama_n_ctx(e.ctx)), max_tokens(max_tokens), smp(sampling, llama_n_vocab(e.model)),
+        : e(e), n_ctx((int) llama_n_ctx(e.ctx)), max_tokens(max_tokens), smp(sampling, llama_n_vocab(e.model), llama_token_nl(e.model)),
           want_logprobs(logprobs != nullptr && sampling.n_probs > 0), out(out), st(st), step_lengths(step_lengths),
           logprobs(logprobs), n_probs(sampling.n_probs) {}
 

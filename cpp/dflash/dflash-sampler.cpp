@@ -39,19 +39,19 @@ dflash_sampling checked(const dflash_sampling & p) {
 
 }  // namespace
 
-sampler::sampler(const dflash_sampling & params, int n_vocab)
-    : params_(checked(params)), n_vocab_(n_vocab), rng_(params.seed) {}
+sampler::sampler(const dflash_sampling & params, int n_vocab, llama_token newline)
+    : params_(checked(params)), n_vocab_(n_vocab), newline_(newline), rng_(params.seed) {}
 
 llama_token sampler::sample(const float * logits, const std::vector<llama_token> & history) {
     const bool penalize = params_.repeat_penalty != 1.0f && params_.repeat_last_n > 0 && !history.empty();
     if (penalize) {
         // as llama.cpp: a repeated token's positive logit is divided by the penalty, a negative one
-        // multiplied, once however often it occurred
+        // multiplied, once however often it occurred; the newline is spared
         penalized_.assign(logits, logits + n_vocab_);
         const size_t n = std::min(history.size(), (size_t) params_.repeat_last_n);
         std::unordered_set<llama_token> seen(history.end() - n, history.end());
         for (llama_token t : seen) {
-            if (t >= 0 && t < n_vocab_) {
+            if (t >= 0 && t < n_vocab_ && t != newline_) {
                 float & l = penalized_[t];
                 l = l > 0.0f ? l / params_.repeat_penalty : l * params_.repeat_penalty;
             }

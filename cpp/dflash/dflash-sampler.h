@@ -14,7 +14,9 @@ namespace dflash_impl {
 
 class sampler {
 public:
-    sampler(const dflash_sampling & params, int n_vocab);
+    // newline: the vocabulary's newline token, which the repetition penalty spares (as
+    // llama-server does unless a request asks for penalize_nl); -1 for none.
+    sampler(const dflash_sampling & params, int n_vocab, llama_token newline);
 
     // The token for the position after `history` (prompt and tokens so far), from its logits:
     // repetition penalty over the last repeat_last_n tokens of history, then greedy at
@@ -33,6 +35,7 @@ public:
 private:
     dflash_sampling params_;
     int n_vocab_;
+    llama_token newline_;
     std::mt19937 rng_;
     std::vector<float> penalized_;
     std::vector<std::pair<float, llama_token>> candidates_;  // (logit, token)
