@@ -197,17 +197,29 @@ def test_a_cut_reply_still_counts_every_token(server):
     assert cut > 0
 
 
+LONG_PROMPT = ("The river runs past the old mill and under the stone bridge, where the children of the town "
+               "watch the boats go by. In spring the water rises over the banks, and the farmers move their "
+               "sheep to the hills. In summer the river is slow and green, and the old men fish from the "
+               "bridge. The cat sat on the mat. The cat sat on the")
+
+
 def test_penalized_replies_are_the_engines(server, pair):
     """With repetition penalties, llama-server's greedy reply is Engine.generate's: both penalize
     the last repeat_last_n tokens, the prompt's among them (the server pushes the prompt into its
     sampler after the reset, and since patch `sampling-the-penalty-window-keeps-its-n_prev-tokens-`
-    keeps them)."""
+    keeps them), and spare the newline. A window past the server's default n_prev (64) reads that
+    many tokens too (patch `server-a-request-s-repeat_last_n-gets-that-many-toke`): on the long
+    prompt (74 tokens) windows of 64 and 128 give different replies."""
     from ikdflash import Engine
 
     with Engine(pair[0], n_ctx=2048, n_threads=2) as engine:
-        prompt = engine.target.tokenize("The cat sat on the mat. The cat sat on the")
-        for penalty, window in ((1.3, 8), (1.1, 64)):
+        cases = [("The cat sat on the mat. The cat sat on the", 1.3, 8), ("The cat sat on the mat. The cat sat on the", 1.1, 64),
+                 (LONG_PROMPT, 1.5, 128)]
+        for text, penalty, window in cases:
+            prompt = engine.target.tokenize(text)
             want = engine.generate(prompt, max_tokens=32, repeat_penalty=penalty, repeat_last_n=window).text
+            if window > 64:
+                assert engine.generate(prompt, max_tokens=32, repeat_penalty=penalty, repeat_last_n=64).text != want
             body = {"prompt": prompt, "n_predict": 32, "temperature": 0, "cache_prompt": False,
                     "repeat_penalty": penalty, "repeat_last_n": window}
             status, raw = post(server + "/completion", body)
