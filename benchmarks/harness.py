@@ -56,6 +56,15 @@ def write_result(path: Path | str, result: dict[str, Any] | list[Any], threads: 
     Path(path).write_text(json.dumps(payload, indent=2) + "\n")
 
 
+def json_of_process(command: list[str], failure: str, env: dict[str, str] | None = None) -> Any:
+    """The JSON on the last line a measuring process prints (run from the repository root); one
+    that fails ends the benchmark with `failure` and the end of its stderr."""
+    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        sys.exit(f"{failure}:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def run_command(package: str, doc: str, commands: dict[str, str]) -> int:
     """An entry point's subcommands: `python -m benchmarks.GROUP COMMAND [options]` runs the main()
     of the module commands[COMMAND] names (under package) with the options after it."""

@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.harness import ROOT, SYSTEM, write_result
+from benchmarks.harness import SYSTEM, json_of_process, write_result
 
 PROMPT = "Explain rainbows to a child."
 THREADS = 2
@@ -70,10 +69,7 @@ def main() -> None:
         command = [sys.executable, "-m", "benchmarks.adaptive", "load-order", "--child", order,
                    "--rounds", str(args.rounds), "--max-tokens", str(args.max_tokens),
                    *(["--lookup"] if args.lookup else [])]
-        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-        if done.returncode != 0:
-            sys.exit(f"the {order} process failed:\n{done.stderr[-2000:]}")
-        results[order] = json.loads(done.stdout.strip().splitlines()[-1])
+        results[order] = json_of_process(command, f"the {order} process failed")
         ratios = results[order]["ratios"]
         print(f"{order:>12}: DFlash {statistics.median(ratios):.3f}x the target alone "
               f"(rounds {', '.join(f'{x:.3f}' for x in ratios)}); "

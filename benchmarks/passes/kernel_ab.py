@@ -18,11 +18,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.harness import ROOT, write_result
+from benchmarks.harness import json_of_process, write_result
 
 
 THREADS = 2
@@ -47,10 +46,7 @@ def measure(other: Path | None, args: argparse.Namespace, target: str) -> list[f
     command = [sys.executable, "-m", "benchmarks.passes", "kernel-ab", "--child", "--target", target,
                "--context", str(args.context), "--repeats", str(args.repeats), "--rows", *map(str, args.rows),
                *(["--repack"] if args.repack else [])]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
-    if done.returncode != 0:
-        sys.exit(f"a measuring process failed ({'other' if other else 'installed'} build):\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json_of_process(command, f"a measuring process failed ({'other' if other else 'installed'} build)", env)
 
 
 def main() -> None:

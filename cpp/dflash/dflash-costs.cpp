@@ -107,8 +107,7 @@ int dflash_costs_calibrate(dflash_costs * costs, llama_context * ctx) {
             }
         }
         costs->set_passes(best.data());
-        std::nth_element(rebuilds.begin(), rebuilds.begin() + rebuilds.size() / 2, rebuilds.end());
-        costs->switch_ms = rebuilds[rebuilds.size() / 2];
+        costs->switch_ms = dflash_impl::median(std::move(rebuilds));
         return 0;
     }, -1);
 }

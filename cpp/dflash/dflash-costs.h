@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dflash_impl {
@@ -41,6 +42,15 @@ inline constexpr int k_calibration_stride = 4;
 // reuses the graph and counts), and that measurement replaces the stale estimate (within
 // k_outlier of it).
 inline constexpr long k_stale_passes = 256;
+
+// The upper median of values (0 for none).
+inline double median(std::vector<double> values) {
+    if (values.empty()) {
+        return 0.0;
+    }
+    std::nth_element(values.begin(), values.begin() + values.size() / 2, values.end());
+    return values[values.size() / 2];
+}
 
 inline double clamped(double value, double estimate) {
     return std::clamp(value, estimate / k_outlier, estimate * k_outlier);
@@ -88,11 +98,7 @@ struct dflash_costs {
                 rises.push_back(shape[r] - shape[r - 1]);
             }
         }
-        double rise = 0.0;
-        if (!rises.empty()) {
-            std::nth_element(rises.begin(), rises.begin() + rises.size() / 2, rises.end());
-            rise = rises[rises.size() / 2];
-        }
+        const double rise = dflash_impl::median(std::move(rises));
         priced.assign(shape.begin(), shape.end());
         for (int r = 2; r <= max_rows; ++r) {
             if (shape[r] < priced[r - 1]) {

@@ -91,11 +91,11 @@ class SpeculationStats:
 class Sampling:
     """How the target picks each token, in this order (as llama.cpp's common sampler): the
     repetition penalty over the last ``repeat_last_n`` tokens (prompt included, the newline spared
-    as llama-server spares it; 1 = off), then
-    greedy at ``temperature`` 0, else ``top_k`` (0 = off), ``top_p`` (1 = off) and ``min_p``
-    (0 = off) on the probabilities at temperature 1, the temperature, and a draw seeded by
-    ``seed``. ``logprobs`` > 0: each returned token's log-probability and the ``logprobs`` most
-    likely tokens' (log-softmax of the target's raw logits)."""
+    as llama-server spares it; 1 = off), then greedy at ``temperature`` 0, else ``top_k`` (0 = off),
+    ``top_p`` (1 = off) and ``min_p`` (0 = off) on the probabilities at temperature 1, the
+    temperature, and a draw seeded by ``seed``. ``logprobs`` > 0: each returned token's
+    log-probability and the ``logprobs`` most likely tokens' (log-softmax of the target's raw
+    logits)."""
 
     temperature: float = 0.0
     seed: int = 0
