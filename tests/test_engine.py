@@ -227,6 +227,35 @@ def test_a_failed_capture_raises_and_the_engine_goes_on(pairs):
     assert lines["then"] == lines["alone"]
 
 
+UNCAPTURED_ALONE = """
+import sys
+from ikdflash import Engine
+target, draft, prompt = sys.argv[1:]
+with Engine(target, draft, n_ctx=512, n_threads=2) as engine, Engine(target, n_ctx=512, n_threads=2) as plain:
+    print("alone:", engine.generate(prompt, max_tokens=24).tokens)
+    print("plain:", plain.generate(prompt, max_tokens=24).tokens)
+    try:
+        engine.speculate(prompt, max_tokens=24)
+        print("drafted: without a capture")
+    except RuntimeError as e:
+        print("drafted:", e)
+"""
+
+
+def test_the_target_alone_on_a_dflash_engine_captures_nothing(pairs):
+    """Engine.generate (n_max 0) on a DFlash engine decodes as the target alone does and hands
+    the draft nothing: a capture made to fail at its first call is reached only by the
+    speculative run after it."""
+    target, draft = pairs["llama"]
+    result = subprocess.run([sys.executable, "-c", UNCAPTURED_ALONE, str(target), str(draft), PROMPT],
+                            env={**os.environ, "IKDFLASH_FAULTS": "capture@1"},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
+    assert lines["alone"] == lines["plain"]
+    assert "could not be captured" in lines["drafted"]
+
+
 def test_streamed_pieces_make_the_same_text(pairs):
     target, draft = pairs["llama"]
     with Engine(target, draft, n_ctx=512, n_batch=16) as engine:

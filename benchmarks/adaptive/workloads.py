@@ -87,16 +87,17 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
     pass_share: dict[str, list[float]] = {m: [] for m in modes}   # a step's target pass / alone's
     draft_share: dict[str, list[float]] = {m: [] for m in modes}  # a step's draft step / alone's pass
     # the adaptive mode has an engine of its own: its controller carries what it learnt from one
-    # request to the next, as in a server's slot, which a fixed run in between would reset
-    with Engine(target, n_ctx=2048, n_threads=2, repack=repack) as plain, \
-            Engine(target, draft, n_ctx=2048, n_threads=2, repack=repack) as fixed, \
+    # request to the next, as in a server's slot, which a fixed run in between would reset. The
+    # target alone runs on that engine (Engine.generate leaves the controller be), in its memory:
+    # two engines decode at speeds that follow their load order (docs/benchmarks.md)
+    with Engine(target, draft, n_ctx=2048, n_threads=2, repack=repack) as fixed, \
             Engine(target, draft, n_ctx=2048, n_threads=2, repack=repack) as adaptive, \
             Engine(target, draft, n_ctx=2048, n_threads=2, repack=repack) as cut, \
             Engine(target, draft, n_ctx=2048, n_threads=2, repack=repack) as lookup:
         prompts = prompts_of(fixed)
-        repacked = plain.target.repacked
+        repacked = adaptive.target.repacked
         for prompt in prompts[:1]:  # warm-up: first passes page weights in and plan buffers
-            plain.generate(prompt, max_tokens=tokens)
+            adaptive.generate(prompt, max_tokens=tokens)
             fixed.speculate(prompt, max_tokens=tokens, n_max=4, adaptive=False)
             adaptive.speculate(prompt, max_tokens=tokens, n_max=4, lookup=False)
             cut.speculate(prompt, max_tokens=tokens, n_max=4, lookup=False, confidence=True)
@@ -106,7 +107,7 @@ def run_workload(name: str, target: Path, draft: Path, prompts_of, tokens: int, 
             seconds = dict.fromkeys(modes, 0.0)
             steps, verify_s, draft_s = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0), dict.fromkeys(modes, 0.0)
             for prompt in prompts:
-                alone = plain.generate(prompt, max_tokens=tokens)
+                alone = adaptive.generate(prompt, max_tokens=tokens)
                 outs = {"alone": alone,
                         **{f"fixed {k}": fixed.speculate(prompt, max_tokens=tokens, n_max=k, adaptive=False)
                            for k in FIXED},

@@ -281,7 +281,8 @@ struct dflash_engine::generation {
     int32_t * step_lengths;
     dflash_logprobs * logprobs;
     const int n_probs;
-    dflash_adapt * adapt = nullptr;   // null without a draft
+    dflash_adapt * adapt = nullptr;   // null without a draft, and for the target alone (n_max 0)
+    bool feeds_draft = false;         // the draft reads this generation's rows: captured and committed
     std::unique_ptr<dflash_spec, decltype(&dflash_spec_free)> spec{nullptr, dflash_spec_free};  // the step, on adapt
     std::vector<llama_token> history; // tokens before the position being sampled (the penalty's window)
     int n_out = 0, n_reported = 0;
@@ -343,11 +344,13 @@ struct dflash_engine::generation {
         for (int i = 0; i < n_prompt; i += n_batch) {
             const int m = std::min(n_batch, n_prompt - i);
             const double t_pass = now_ms();
-            e.decode(prompt + i, m, i, false, true);
+            e.decode(prompt + i, m, i, false, feeds_draft);
             if (e.costs) {  // the controller counts a pass after one of the same shape only
                 dflash_costs_observe_pass(e.costs.get(), m, now_ms() - t_pass);
             }
-            e.commit_features(m, i);
+            if (feeds_draft) {
+                e.commit_features(m, i);
+            }
         }
         t = pick(-1, t_info);
         s = n_prompt;
@@ -404,7 +407,7 @@ struct dflash_engine::generation {
         const double t0 = now_ms();
         verify.assign(1, t);
         verify.insert(verify.end(), proposal.begin(), proposal.begin() + n);
-        e.decode(verify.data(), n + 1, s, true, true);
+        e.decode(verify.data(), n + 1, s, true, feeds_draft);
         row_info.resize(n + 1);
         int acc = 0;
         llama_token next = pick(0, row_info[0]);
@@ -413,7 +416,9 @@ struct dflash_engine::generation {
             ++acc;
             next = pick(acc, row_info[acc]);
         }
-        e.commit_features(acc + 1, s);
+        if (feeds_draft) {
+            e.commit_features(acc + 1, s);
+        }
         if (acc < n) {
             llama_kv_cache_seq_rm(e.ctx, 0, s + acc + 1, -1);
             if (e.hybrid) {
@@ -507,9 +512,12 @@ int dflash_engine::generate(const llama_token * prompt, int n_prompt, int max_to
                       (int) llama_n_batch(ctx));
     }
     generation g(*this, max_tokens, sampling, out, st, step_lengths, logprobs);
-    if (draft != nullptr) {
-        g.adapt = controller(std::min(n_max, dflash_draft_max_proposal(draft)), adaptive && n_max > 0);
-    } else if (n_max > 0) {
+    // n_max 0 is the target alone: on this context, so that it runs in DFlash's own memory (two
+    // engines in one process decode at speeds that follow their load order), with no rows captured
+    g.feeds_draft = draft != nullptr && n_max > 0;
+    if (g.feeds_draft) {
+        g.adapt = controller(std::min(n_max, dflash_draft_max_proposal(draft)), adaptive);
+    } else if (draft == nullptr && n_max > 0) {
         g.adapt = controller(n_max, true);
     }
     g.spec.reset(dflash_spec_init(seq.get(), g.adapt, costs.get()));

@@ -374,7 +374,8 @@ DFLASH_API struct dflash_adapt_stats dflash_adapt_get_stats(const dflash_adapt *
 // one target batch, keep the longest matching prefix plus the target's own next token, roll the
 // target back (KV cache; for hybrid targets also the recurrent state, by snapshot + replay), and
 // feed the committed rows' features to the draft. With n_max = 0 it is plain target decoding, so
-// speculative and plain generation run through the same loop.
+// speculative and plain generation run through the same loop, on the same memory; nothing is
+// captured for the draft then (the next generation starts its cross-context from its prompt).
 
 typedef struct dflash_engine dflash_engine;
 

@@ -293,7 +293,8 @@ class Engine:
                  min_p: float = _S.min_p, repeat_penalty: float = _S.repeat_penalty,
                  repeat_last_n: int = _S.repeat_last_n, seed: int = _S.seed,
                  logprobs: int = _S.logprobs) -> SpeculationResult | TextStream[SpeculationResult]:
-        """Generate with the target alone, through the same loop (the baseline)."""
+        """Generate with the target alone, through the same loop and on the same memory (the
+        baseline); a DFlash engine's draft is not fed, which costs nothing."""
         return self._run(prompt, max_tokens, 0, Sampling.of(locals()), stop, stream)
 
     @overload

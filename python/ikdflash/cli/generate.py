@@ -10,8 +10,9 @@ The prompt is wrapped in the target's chat template unless --raw. The text strea
 each step commits it; on stderr follow a line with tokens, speed, acceptance, mean acceptance
 length (tau), why the text ended and what the adaptive block length did, then the target alone's
 run of the same prompt and how DFlash's speed compares with it. The two runs are measured alike:
-both engines are loaded and warmed up (a short generation each, which is also where the adaptive
-block length times the target's passes) before either is timed, both stream through the same
+the target alone runs on DFlash's own engine, in the same memory (two engines in one process
+decode at speeds that follow the order they were loaded in), after a short warm-up generation
+(where the adaptive block length also times the target's passes); both stream through the same
 path, and each speed is generated tokens over generation time (the prompt's pass excluded). The
 built-in pair answers with a plain system prompt and a repetition penalty of 1.1 unless told
 otherwise (sources.references.PAIR_CHAT_DEFAULTS).
@@ -20,7 +21,6 @@ otherwise (sources.references.PAIR_CHAT_DEFAULTS).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from typing import Sequence
 
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also generate with the target alone and compare speeds (default; --no-compare skips it)")
 
 
-WARM_UP_TOKENS = 4  # a short generation per engine before the timed ones
+WARM_UP_TOKENS = 4  # a short generation before the timed ones
 
 
 def streamed(engine: Engine, tokens: list[int], echo: bool, max_tokens: int, stop: Sequence[str],
@@ -117,12 +117,8 @@ def run(args: argparse.Namespace) -> int:
         check_engine_options(args)
         options = decoding_options(args)
         target, draft = resolve_models(args)
-        with contextlib.ExitStack() as engines:
-            engine = engines.enter_context(Engine(target, draft, n_ctx=args.ctx_size, n_threads=args.threads))
+        with Engine(target, draft, n_ctx=args.ctx_size, n_threads=args.threads) as engine:
             rules.n_max(args.n_max, engine.max_proposal, name="--n-max")
-            # the target alone has no draft to feed: its own engine, loaded before either is timed
-            alone = (engines.enter_context(Engine(target, n_ctx=args.ctx_size, n_threads=args.threads))
-                     if args.compare else None)
             if args.raw:
                 tokens = engine.target.tokenize(prompt)
             else:
@@ -131,15 +127,14 @@ def run(args: argparse.Namespace) -> int:
             alone_options = {k: v for k, v in options.items() if k not in ("n_max", "adaptive", "lookup", "confidence", "conf_min")}
             alone_options.update(n_max=0, adaptive=False)
             stop = args.stop or ()
-            if alone is not None:
+            if args.compare:
                 streamed(engine, tokens, False, WARM_UP_TOKENS, stop, options)
-                streamed(alone, tokens, False, WARM_UP_TOKENS, stop, alone_options)
             out = streamed(engine, tokens, True, args.max_tokens, stop, options)
             print()
             assert out.stats is not None
             print(summary("dflash", out.stats, out.finish_reason), file=sys.stderr)
-            if alone is not None:
-                plain = streamed(alone, tokens, False, args.max_tokens, stop, alone_options)
+            if args.compare:
+                plain = streamed(engine, tokens, False, args.max_tokens, stop, alone_options)
                 print(comparison(out, plain), file=sys.stderr)
     except (HubError, FileNotFoundError, ValueError, RuntimeError) as e:  # RuntimeError: a failed decode
         print(f"ikdflash generate: error: {e}", file=sys.stderr)
