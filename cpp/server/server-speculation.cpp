@@ -17,11 +17,7 @@ constexpr size_t k_acceptance_window = 16;
 constexpr float k_low_acceptance = 0.10f;  // logged below this (or below min_accept)
 
 // The DFlash controller's steps by the tokens they verified ([0]: one-token decodes).
-std::vector<int64_t> steps_by_verified(const server_slot & slot) {
-    if (slot.dflash.adapt == nullptr) {
-        return {};
-    }
-    const dflash_adapt_stats st = dflash_adapt_get_stats(slot.dflash.adapt);
+std::vector<int64_t> steps_by_verified(const server_slot & slot, const dflash_adapt_stats & st) {
     const int n_max = std::min(slot.params.speculative.n_max, std::min(slot.dflash.n_max, DFLASH_MAX_VERIFY));
     return std::vector<int64_t>(st.n_steps_at, st.n_steps_at + n_max + 1);
 }
@@ -102,10 +98,9 @@ json speculation_timings(const server_slot & slot) {
         {"draft_ms", c.t_draft_ms},
         {"verify_ms", c.t_verify_ms},
     };
-    const std::vector<int64_t> steps = steps_by_verified(slot);
-    if (!steps.empty()) {
+    if (slot.dflash.adapt != nullptr) {
         const dflash_adapt_stats st = dflash_adapt_get_stats(slot.dflash.adapt);
-        timings["draft_steps_by_verified"] = steps;
+        timings["draft_steps_by_verified"] = steps_by_verified(slot, st);
         timings["draft_probes"] = st.n_probes;
         timings["draft_load_plain_steps"] = st.n_load_plain;
     }
@@ -124,18 +119,18 @@ json speculation_slot_stats(const server_slot & slot) {
 }
 
 void speculation_print_timings(const server_slot & slot) {
-    const std::vector<int64_t> steps = steps_by_verified(slot);
-    if (steps.empty()) {
+    if (slot.dflash.adapt == nullptr) {
         return;
     }
+    const dflash_adapt_stats st = dflash_adapt_get_stats(slot.dflash.adapt);
+    const std::vector<int64_t> steps = steps_by_verified(slot, st);
     // what the block length did: with adaptive=1, steps at 0 are where drafting did not pay
     std::string by_k;
     for (size_t k = 0; k < steps.size(); ++k) {
         by_k += string_format("%s%zu: %lld", k ? ", " : "", k, (long long) steps[k]);
     }
     SLT_INF(slot, "dflash: steps by drafts verified {%s}; %lld of %d tokens decoded one at a time, %lld probes\n",
-            by_k.c_str(), (long long) steps[0], slot.n_decoded,
-            (long long) dflash_adapt_get_stats(slot.dflash.adapt).n_probes);
+            by_k.c_str(), (long long) steps[0], slot.n_decoded, (long long) st.n_probes);
 }
 
 void speculation_totals::add(const server_slot & slot) {
