@@ -213,14 +213,16 @@ def test_a_start_up_calibration_three_times_too_dear_is_corrected_and_drafting_r
     what it costs. At k = 0 no such pass runs again, so drafting stayed off for good. Once the
     2-row cost has gone STALE_PASSES passes unmeasured, the next due probe verifies its draft for
     two steps instead, the second pass's time replaces the estimate, and a draft kept 4 times in
-    5 drafts again. The bound: drafting resumes within STALE_PASSES + 2 probe intervals (30
-    steps here) of plain steps."""
+    5 (a seeded coin: misses every fifth step would meet probes 15 steps apart at every one)
+    drafts again. The bound: drafting resumes within STALE_PASSES + 2 probe intervals (30 steps
+    here) of plain steps."""
     true = [1.0, 1.17, 1.44, 1.95, 2.74]
     ctl = BlockController(4, [true[0]] + [3 * ms for ms in true[1:]], 0.15)
+    coin = random.Random(5)
     chosen = []
-    for step in range(STALE_PASSES + 200):
+    for _ in range(STALE_PASSES + 200):
         n_draft, k = ctl.plan(4)
-        right = step % 5 != 0
+        right = coin.random() < 0.8
         if n_draft:
             ctl.proposed([1] * n_draft)
         ctl.observe_pass(k + 1, true[k])
@@ -231,6 +233,24 @@ def test_a_start_up_calibration_three_times_too_dear_is_corrected_and_drafting_r
     resumed = next(i for i in range(STALE_PASSES, len(chosen) - 10) if min(chosen[i:i + 10]) > 0)
     assert resumed <= bound, chosen[STALE_PASSES:]
     assert sum(k > 0 for k in chosen[-100:]) >= 90, chosen[-100:]
+
+
+def test_a_useless_draft_does_not_measure_a_stale_pass_again():
+    """The same stale 2-row cost under a draft that is never kept: no pass cost could make it pay
+    (its draft step alone costs more than its tokens bring), so a due probe stays a probe and no
+    step verifies a draft to measure the rows again."""
+    true = [1.0, 1.17, 1.44, 1.95, 2.74]
+    ctl = BlockController(4, [true[0]] + [3 * ms for ms in true[1:]], 0.15)
+    chosen = []
+    for _ in range(3 * STALE_PASSES):
+        n_draft, k = ctl.plan(4)
+        if n_draft:
+            ctl.proposed([2] * n_draft)
+        ctl.observe_pass(k + 1, true[k])
+        ctl.committed(k, [1])
+        chosen.append(k)
+    assert set(chosen[10:]) == {0}, [i for i, k in enumerate(chosen) if k]
+    assert ctl.stats()["n_probes"] >= 3  # it went on probing
 
 
 def test_an_estimate_reaches_one_for_a_draft_that_is_always_right():

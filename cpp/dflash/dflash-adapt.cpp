@@ -427,16 +427,31 @@ struct dflash_adapt {
             return {0, 0, false};
         }
         since_probe = 0;
-        if (others.rows == 0 && costs->stale(2)) {
+        if (others.rows == 0 && costs->stale(2) && pays_with_free_rows(n_limit)) {
             // The 2-row pass's cost is stale: at k = 0 it is never measured, so a start-up
             // calibration taken on a busy machine would keep drafting off for good. This probe
-            // verifies one draft instead, for two steps (the second reuses the graph and counts).
+            // verifies one draft instead, for two steps (the second reuses the graph and counts),
+            // unless no pass cost could make the draft pay as it is kept now.
             explore_left = 1;
             exploring = true;
             return {drafted_for(1, n_limit), 1, false};
         }
         stats.n_probes += 1;
         return {probe_length(n_limit, others), 0, false};
+    }
+
+    // Whether some k would pay if verifying its rows cost nothing over a one-row pass: only its
+    // draft step then. A draft kept too seldom for that (a useless one) has no use for a fresh
+    // measure of what the rows cost.
+    bool pays_with_free_rows(int n_limit) const {
+        const double one_row_ms = costs->pass_ms(1);
+        for (int k = 1; k <= n_limit; ++k) {
+            const double tokens = expected_tokens(k, [this](int j) { return acceptance(j); });
+            if (tokens / (draft_cost_at(k, n_limit) + one_row_ms) > 1.0 / one_row_ms) {
+                return true;
+            }
+        }
+        return false;
     }
 
     // Once probes have hit past a new request's evidence (which probes at its first plain step),
