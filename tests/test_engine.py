@@ -199,6 +199,17 @@ def test_proposals_match_the_reference_end_to_end(tiny_model, tmp_path, monkeypa
     assert sum(ref.acceptance_lengths) > len(ref.acceptance_lengths)  # some drafts were accepted
 
 
+def run_with_faults(script: str, pair, faults: str) -> dict[str, str]:
+    """Run script (argv: target, draft, prompt) in a process of its own, the fault plan being read
+    once per process; returns its output's "name: value" lines."""
+    target, draft = pair
+    result = subprocess.run([sys.executable, "-c", script, str(target), str(draft), PROMPT],
+                            env={**os.environ, "IKDFLASH_FAULTS": faults},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return dict(line.split(": ", 1) for line in result.stdout.splitlines())
+
+
 FAILED_CAPTURE = """
 import sys
 from ikdflash import Engine
@@ -217,12 +228,7 @@ def test_a_failed_capture_raises_and_the_engine_goes_on(pairs):
     """A pass whose layer outputs cannot be captured (injected on the 10th captured output, the
     fault plan being read once per process, hence the subprocess) raises with the reason instead
     of drafting from a graph cut short; the next call is exact."""
-    target, draft = pairs["llama"]
-    result = subprocess.run([sys.executable, "-c", FAILED_CAPTURE, str(target), str(draft), PROMPT],
-                            env={**os.environ, "IKDFLASH_FAULTS": "capture@10"},
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
+    lines = run_with_faults(FAILED_CAPTURE, pairs["llama"], "capture@10")
     assert "could not be captured" in lines["raised"]
     assert lines["then"] == lines["alone"]
 
@@ -246,12 +252,7 @@ def test_the_target_alone_on_a_dflash_engine_captures_nothing(pairs):
     """Engine.generate (n_max 0) on a DFlash engine decodes as the target alone does and hands
     the draft nothing: a capture made to fail at its first call is reached only by the
     speculative run after it."""
-    target, draft = pairs["llama"]
-    result = subprocess.run([sys.executable, "-c", UNCAPTURED_ALONE, str(target), str(draft), PROMPT],
-                            env={**os.environ, "IKDFLASH_FAULTS": "capture@1"},
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
+    lines = run_with_faults(UNCAPTURED_ALONE, pairs["llama"], "capture@1")
     assert lines["alone"] == lines["plain"]
     assert "could not be captured" in lines["drafted"]
 
