@@ -2,7 +2,8 @@
 every fixed n_max and the target alone, without the machine's noise.
 
     python -m benchmarks.adaptive replay [--tokens 128] [--workloads useless built-in mixed alternating]
-        [--pass-ms 9.9 11.4 13.5 14.9 17.1] [--draft-ms 1.8 1.9 2.1 2.5] [--json out.json]
+        [--pass-ms 4.0 4.85 6.4 7.5 9.1] [--draft-ms 0.74 0.9 1.1 1.27] [--switch-ms 0.56]
+        [--catch-up-ms 0.019] [--json out.json]
         [--recordings recordings.json]   # recorded once (~3 min), replayed in seconds after
         [--draft D.gguf]                 # another draft for the built-in target
 
@@ -20,12 +21,12 @@ through each answer as the engine drives it, and every mode's time is the sum of
                           run of plain steps projects all of them)
 
 The controller sees these times as it sees the engine's (its estimates follow them). Defaults:
-the built-in pair on this project's 2-core machine, 2026-12-02 (the engine's calibration and
-running estimates at ~200 cached tokens; the passes of 2-5 rows since patch
-`iqk-few-row-Q4_1-products-take-8-weight-rows-at-a-ti`, from `_core.measure.time_passes` at 200 cached tokens, medians of 3
-rounds: 1.15x, 1.36x, 1.50x, 1.73x one row). Quoted: tokens per millisecond of each mode as a ratio to the target alone, per
-workload and per request, the adaptive mode's steps by k, and an oracle that knows each step's outcome (the
-bound for any block length rule with these drafts at these costs).
+the built-in pair, repacked, on a 2-core AMD EPYC with AVX-512 VNNI, 2026-12-06
+(`_core.measure.time_passes` at 200 cached tokens; the draft's steps and a probe's catch-up per
+context row timed after a target pass; docs/benchmarks.md, "The adaptive block length").
+Quoted: tokens per millisecond of each mode as a ratio to the target alone, per workload and per
+request, the adaptive mode's steps by k, and an oracle that knows each step's outcome (the bound
+for any block length rule with these drafts at these costs).
 """
 
 from __future__ import annotations
@@ -169,10 +170,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOAD_QUESTIONS), choices=list(WORKLOAD_QUESTIONS))
-    parser.add_argument("--pass-ms", type=float, nargs=N_MAX + 1, default=[9.9, 11.4, 13.5, 14.9, 17.1])
-    parser.add_argument("--draft-ms", type=float, nargs=N_MAX, default=[1.8, 1.9, 2.1, 2.5])
-    parser.add_argument("--switch-ms", type=float, default=0.8)
-    parser.add_argument("--catch-up-ms", type=float, default=0.043)
+    parser.add_argument("--pass-ms", type=float, nargs=N_MAX + 1, default=[4.0, 4.85, 6.4, 7.5, 9.1])
+    parser.add_argument("--draft-ms", type=float, nargs=N_MAX, default=[0.74, 0.9, 1.1, 1.27])
+    parser.add_argument("--switch-ms", type=float, default=0.56)
+    parser.add_argument("--catch-up-ms", type=float, default=0.019)
     parser.add_argument("--draft", type=Path, help="another draft for the built-in target (default: the shipped one)")
     parser.add_argument("--recordings", type=Path, help="a file of recordings: read if it exists, else written")
     parser.add_argument("--json", type=Path)
