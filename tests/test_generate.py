@@ -198,6 +198,19 @@ def test_the_comparison_says_whether_drafting_paid():
         "DFlash 2.00x its speed (most kept tokens proposed by the lookup)")
 
 
+def test_the_statistics_line_counts_its_probes():
+    from ikdflash.engine import SpeculationStats
+    from ikdflash.cli.stats import summary
+
+    def line(probes: int) -> str:
+        return summary("dflash", SpeculationStats(prompt_tokens=5, generated=40, drafted=1, accepted=0, steps=40,
+                                                  prompt_time=0.0, draft_time=0.001, verify_time=0.1,
+                                                  steps_by_verified=[39, 1], probes=probes), "length")
+
+    assert line(1).endswith("39 of 40 tokens decoded one at a time (1 probe)")
+    assert line(2).endswith("(2 probes)")
+
+
 def test_a_run_that_was_all_prompt_pass_is_not_compared():
     """--max-tokens 1 (or a stop at the first token): the token comes from the prompt's pass, so a
     run has no generation time, hence no speed; the line has no ratio (it divided by zero)."""

@@ -19,7 +19,7 @@ def summary(label: str, stats: SpeculationStats, finish_reason: str) -> str:
         line += ")"
     if stats.steps_by_verified and stats.steps_by_verified[0]:
         line += (f"; {stats.steps_by_verified[0]} of {stats.generated} tokens decoded one at a time "
-                 f"({stats.probes} probes)")
+                 f"({stats.probes} probe{'' if stats.probes == 1 else 's'})")
     return line
 
 
