@@ -1,6 +1,6 @@
 // The DFlash speculative loop over one target sequence (docs: dflash.md, "Verification and
-// commit"). Target layer outputs are captured through the context's layer tap for every row the
-// target processes; committed rows go to the draft's cross-context.
+// commit"). Target layer outputs are captured through the context's layer tap for every row a
+// speculative generation's target processes; committed rows go to the draft's cross-context.
 
 #include "dflash.h"
 #include "dflash-measure.h"
