@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 from ikdflash import Engine, Server
-from ikdflash._core import BlockController
+from ikdflash._core import BlockController, NgramLookup
 from ikdflash.serving.client import post_json, post_json_concurrently
 from ikdflash.serving.spectype import SpecType
 
@@ -38,6 +38,19 @@ def drive(ctl: BlockController, steps: int, *, draft_right: bool, lookup: list[i
         ctl.committed(n_verify, [TARGET] * (accepted + 1))
         chosen.append((n_verify, from_lookup))
     return chosen
+
+
+def test_the_lookup_proposes_what_followed_its_key_before():
+    """The engine's lookup as the bindings give it (the replay offers it): in a passage seen
+    twice, the tokens up to the current one are found earlier and what followed them there is
+    proposed, at most n_max of it; a text never repeated gets nothing; bad sizes are refused."""
+    passage = list(range(100, 120))
+    lookup = NgramLookup(4)
+    assert lookup.propose(passage * 2 + [100, 101], 102, 4) == [103, 104, 105, 106]
+    assert lookup.propose(passage * 2 + [100, 101], 102, 2) == [103, 104]
+    assert NgramLookup(4).propose(list(range(200, 240)), 240, 4) == []
+    with pytest.raises(ValueError, match="max_run and key_size must be >= 1"):
+        NgramLookup(0)
 
 
 def test_the_lookup_wins_where_it_is_right_and_the_draft_is_not():

@@ -20,7 +20,10 @@ through each answer as the engine drives it, and every mode's time is the sum of
                           context row past 2 added since the draft step before (a probe after a
                           run of plain steps projects all of them)
 
-The controller sees these times as it sees the engine's (its estimates follow them). Defaults:
+The `+lookup` mode is the adaptive one with the engine's n-gram lookup offering beside the draft
+(`_core.NgramLookup` over the prompt and the answer so far; recordings made before the prompt's
+tokens were kept have no such mode). The controller sees these times as it sees the engine's (its
+estimates follow them). Defaults:
 the built-in pair, repacked, on a 2-core AMD EPYC with AVX-512 VNNI, 2026-12-06
 (`_core.measure.time_passes` at 200 cached tokens; the draft's steps and a probe's catch-up per
 context row timed after a target pass; docs/benchmarks.md, "The adaptive block length").
@@ -35,11 +38,11 @@ import argparse
 import json
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ikdflash import Engine
-from ikdflash._core import BlockController
+from ikdflash._core import BlockController, NgramLookup
 from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
 
 from benchmarks.adaptive.workloads import WORKLOAD_QUESTIONS, chat_prompts, scrambled_draft
@@ -52,14 +55,16 @@ N_MAX = 4
 @dataclass
 class Recording:
     """One request: the target's answer after the prompt, and at each answer position s the
-    draft's N_MAX proposals for positions s + 1.. (given answer[s] as the block's first token)."""
+    draft's N_MAX proposals for positions s + 1.. (given answer[s] as the block's first token).
+    The prompt's tokens, which the n-gram lookup searches, are missing from older recordings."""
     n_prompt: int
     answer: list[int]
     proposals: list[list[int]]
+    prompt: list[int] = field(default_factory=list)
 
 
 def record(target: Path, draft_path: Path, prompts: list[list[int]], tokens: int) -> list[Recording]:
-    recordings = [Recording(len(p), [], []) for p in prompts]
+    recordings = [Recording(len(p), [], [], list(p)) for p in prompts]
     for i, seq, _, best, _, _ in draft_steps(target, draft_path, prompts, tokens):
         recordings[i].answer = seq[len(prompts[i]):]
         recordings[i].proposals.append(list(best[:N_MAX]))
@@ -74,16 +79,22 @@ class Costs:
     catch_up_ms: float  # a context row the draft projects past the 2 of a step in a run of them
 
 
-def replay(rec: Recording, ctl: BlockController, costs: Costs, n_max: int) -> tuple[float, int, list[int]]:
+def replay(rec: Recording, ctl: BlockController, costs: Costs, n_max: int,
+           lookup: NgramLookup | None = None) -> tuple[float, int, list[int]]:
     """Milliseconds and tokens of one request with ctl choosing (n_max 0: the target alone), as
     the engine's loop runs it: the answer's first token comes from the prompt's pass; each step
-    then proposes and verifies after the last token committed. Returns (ms, tokens, steps by k)."""
+    then proposes and verifies after the last token committed, the lookup's offer (when given)
+    beside the draft's. Returns (ms, tokens, steps by k)."""
     answer, ms, by_k = rec.answer, 0.0, [0] * (N_MAX + 1)
     s, last_rows, since_draft = 0, 0, rec.n_prompt
     ctl.reset()
     while s < len(answer) - 1:
         n_limit = min(n_max, len(answer) - 2 - s)  # room for the target's own token
-        n_draft, n_verify = ctl.plan(n_limit) if n_max else (0, 0)
+        offer = lookup.propose(rec.prompt + answer[:s], answer[s], n_limit) if lookup and n_limit else []
+        if offer:
+            n_draft, n_verify, from_lookup = ctl.plan_offered(n_limit, offer)
+        else:
+            (n_draft, n_verify), from_lookup = ctl.plan(n_limit) if n_max else (0, 0), False
         proposal = rec.proposals[s][:n_draft]
         if n_draft:
             t = costs.draft_ms[n_draft - 1] + costs.catch_up_ms * max(0, since_draft - 2)
@@ -91,8 +102,9 @@ def replay(rec: Recording, ctl: BlockController, costs: Costs, n_max: int) -> tu
             ms += t
             since_draft = 0
             ctl.proposed(proposal)
+        verified = offer if from_lookup else proposal
         acc = 0
-        while acc < n_verify and proposal[acc] == answer[s + 1 + acc]:
+        while acc < n_verify and verified[acc] == answer[s + 1 + acc]:
             acc += 1
         rows = n_verify + 1
         t = costs.pass_ms[rows - 1] + (costs.switch_ms if rows != last_rows else 0.0)
@@ -130,11 +142,15 @@ def run_workload(recordings: list[Recording], costs: Costs) -> dict:
                    **{f"fixed {k}": (BlockController(N_MAX, costs.pass_ms, costs.draft_ms, adaptive=False), k)
                       for k in range(1, N_MAX + 1)},
                    "adaptive": (BlockController(N_MAX, costs.pass_ms, costs.draft_ms), N_MAX)}
+    with_lookup = all(rec.prompt for rec in recordings)
+    if with_lookup:
+        controllers["+lookup"] = (BlockController(N_MAX, costs.pass_ms, costs.draft_ms), N_MAX)
     per_request, total, by_k = [], {m: [0.0, 0] for m in controllers}, [0] * (N_MAX + 1)
     for rec in recordings:
         rates = {}
         for mode, (ctl, n_max) in controllers.items():
-            ms, tokens, steps = replay(rec, ctl, costs, n_max)
+            lookup = NgramLookup(N_MAX) if mode == "+lookup" else None  # the engine's: runs of up to n_max
+            ms, tokens, steps = replay(rec, ctl, costs, n_max, lookup)
             total[mode][0] += ms
             total[mode][1] += tokens
             rates[mode] = tokens / ms
@@ -149,7 +165,8 @@ def run_workload(recordings: list[Recording], costs: Costs) -> dict:
     speed = {m: tokens / ms for m, (ms, tokens) in total.items()}
     ratio = {m: speed[m] / speed["alone"] for m in speed}
     return {"ratio_to_alone": ratio, "per_request": per_request, "adaptive_steps_by_verified": by_k,
-            "adaptive_to_best_fixed": ratio["adaptive"] / max(v for m, v in ratio.items() if m not in ("adaptive", "oracle"))}
+            "adaptive_to_best_fixed": ratio["adaptive"] / max(v for m, v in ratio.items()
+                                                              if m not in ("adaptive", "oracle", "+lookup"))}
 
 
 def record_workloads(names: list[str], tokens: int, draft: Path | None) -> dict[str, list[Recording]]:

@@ -710,6 +710,20 @@ void bind_dflash(py::module_ & m) {
              py::arg("on_commit") = py::none());
     m.def("attention_mask", &attention_mask, py::arg("key_positions"), py::arg("start"), py::arg("n_query"),
           py::arg("sliding"), py::arg("causal"), py::arg("window"), py::arg("kv_pad") = 1);
+    py::class_<ngram_lookup>(m, "NgramLookup")
+        .def(py::init([](int max_run, int key_size) {
+                 if (max_run < 1 || key_size < 1) {
+                     throw py::value_error("max_run and key_size must be >= 1, got " + std::to_string(max_run) +
+                                           " and " + std::to_string(key_size));
+                 }
+                 return std::make_unique<ngram_lookup>(key_size, max_run);
+             }), py::arg("max_run"), py::arg("key_size") = ngram_lookup::default_key_size)
+        .def("propose", [](ngram_lookup & lookup, const std::vector<llama_token> & tokens, llama_token current,
+                           int n_max) {
+                 std::vector<llama_token> out(std::max(n_max, 0));
+                 out.resize(lookup.propose(tokens.data(), (int) tokens.size(), current, n_max, out.data()));
+                 return out;
+             }, py::arg("tokens"), py::arg("current"), py::arg("n_max"));
     m.attr("LOOKUP_MAX_RUN") = DFLASH_LOOKUP_MAX_RUN;
     m.attr("LOOKUP_KEY_SIZE") = ngram_lookup::default_key_size;
     m.def("parse_spec_type", &parse_spec_type, py::arg("text"),

@@ -99,6 +99,14 @@ class CrossContext:
     def propose_with_confidence(self, first_token: int, start: int, n: int) -> tuple[list[int], list[float]]:
         """The same, and each token's probability under its row's softmax."""
 
+class NgramLookup:
+    """The n-gram lookup the engine and llama-server's slots offer their controller: the last
+    key_size tokens found earlier in the sequence propose up to max_run tokens that followed them."""
+    def __init__(self, max_run: int, key_size: int = ...) -> None: ...
+    def propose(self, tokens: list[int], current: int, n_max: int) -> list[int]:
+        """Up to n_max tokens after tokens and the current token (a sequence that does not extend
+        the last one starts the lookup anew)."""
+
 class BlockController:
     """The adaptive block length's controller (dflash_adapt) on pass costs given, with no model:
     pass_ms[r - 1] is a target pass over r rows (r = 1..n_max + 1 at least; more for passes shared
