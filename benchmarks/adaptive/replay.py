@@ -91,10 +91,13 @@ def replay(rec: Recording, ctl: BlockController, costs: Costs, n_max: int,
     while s < len(answer) - 1:
         n_limit = min(n_max, len(answer) - 2 - s)  # room for the target's own token
         offer = lookup.propose(rec.prompt + answer[:s], answer[s], n_limit) if lookup and n_limit else []
+        from_lookup = False
         if offer:
             n_draft, n_verify, from_lookup = ctl.plan_offered(n_limit, offer)
+        elif n_max:
+            n_draft, n_verify = ctl.plan(n_limit)
         else:
-            (n_draft, n_verify), from_lookup = ctl.plan(n_limit) if n_max else (0, 0), False
+            n_draft, n_verify = 0, 0
         proposal = rec.proposals[s][:n_draft]
         if n_draft:
             t = costs.draft_ms[n_draft - 1] + costs.catch_up_ms * max(0, since_draft - 2)
