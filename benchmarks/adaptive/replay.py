@@ -1,7 +1,7 @@
 """The adaptive block length replayed on recorded drafts at given costs: the controller against
 every fixed n_max and the target alone, without the machine's noise.
 
-    python -m benchmarks.adaptive replay [--tokens 128] [--workloads useless built-in mixed alternating]
+    python -m benchmarks.adaptive replay [--tokens 128] [--workloads useless built-in mixed alternating [held-out]]
         [--pass-ms 4.0 4.85 6.4 7.5 9.1] [--draft-ms 0.74 0.9 1.1 1.27] [--switch-ms 0.56]
         [--catch-up-ms 0.019] [--json out.json]
         [--recordings recordings.json]   # recorded once (~3 min), replayed in seconds after
@@ -22,7 +22,11 @@ through each answer as the engine drives it, and every mode's time is the sum of
 
 The `+lookup` mode is the adaptive one with the engine's n-gram lookup offering beside the draft
 (`_core.NgramLookup` over the prompt and the answer so far; recordings made before the prompt's
-tokens were kept have no such mode). The controller sees these times as it sees the engine's (its
+tokens were kept have no such mode). `+confidence` gives the adaptive mode's controller the
+draft's recorded confidence in each token it proposes, and its calibrated cut decides how many the
+step verifies (design.md, "Confidence"); `+perfect` gives it a confidence that knows the outcome
+(1 for each token the target will keep, 0 from the first it will not): what the cut could make of
+any confidence, a DSpark draft's head included, once the draft has run. The controller sees these times as it sees the engine's (its
 estimates follow them). Defaults:
 the built-in pair, repacked, on a 2-core AMD EPYC with AVX-512 VNNI, 2026-12-06
 (`_core.measure.time_passes` at 200 cached tokens; the draft's steps and a probe's catch-up per
@@ -44,30 +48,40 @@ from pathlib import Path
 from ikdflash import Engine
 from ikdflash._core import BlockController, NgramLookup
 from ikdflash.sources.references import DEFAULT_PAIR, resolve_pair
+from ikdflash.train.evaluate import held_out_prompts
 
 from benchmarks.adaptive.workloads import WORKLOAD_QUESTIONS, chat_prompts, scrambled_draft
 from benchmarks.adaptive.draft_confidence import draft_steps
-from benchmarks.harness import write_result
+from benchmarks.harness import SYSTEM, write_result
 
 N_MAX = 4
+# the adaptive mode with the draft's confidences given to its controller, by the replay's
+# confidence argument: the draft's own, and the perfect one that bounds any (a DSpark head's too)
+CONFIDENCE_MODES = {"+confidence": "draft", "+perfect": "perfect"}
+# beside adaptive.py's workloads: the held-out chat prompts of benchmarks/tau.py, enough answer
+# positions (~3,000) that rules a few percent apart are told apart on chat
+HELD_OUT, HELD_OUT_PROMPTS = "held-out", 24
 
 
 @dataclass
 class Recording:
     """One request: the target's answer after the prompt, and at each answer position s the
-    draft's N_MAX proposals for positions s + 1.. (given answer[s] as the block's first token).
-    The prompt's tokens, which the n-gram lookup searches, are missing from older recordings."""
+    draft's N_MAX proposals for positions s + 1.. (given answer[s] as the block's first token) with
+    the draft's confidence in each. The prompt's tokens, which the n-gram lookup searches, and the
+    confidences are missing from older recordings."""
     n_prompt: int
     answer: list[int]
     proposals: list[list[int]]
     prompt: list[int] = field(default_factory=list)
+    confidences: list[list[float]] = field(default_factory=list)
 
 
 def record(target: Path, draft_path: Path, prompts: list[list[int]], tokens: int) -> list[Recording]:
     recordings = [Recording(len(p), [], [], list(p)) for p in prompts]
-    for i, seq, _, best, _, _ in draft_steps(target, draft_path, prompts, tokens):
+    for i, seq, _, best, confidence, _ in draft_steps(target, draft_path, prompts, tokens):
         recordings[i].answer = seq[len(prompts[i]):]
         recordings[i].proposals.append(list(best[:N_MAX]))
+        recordings[i].confidences.append([float(c) for c in confidence[:N_MAX]])
     return recordings
 
 
@@ -80,11 +94,14 @@ class Costs:
 
 
 def replay(rec: Recording, ctl: BlockController, costs: Costs, n_max: int,
-           lookup: NgramLookup | None = None) -> tuple[float, int, list[int]]:
+           lookup: NgramLookup | None = None, confidence: str | None = None) -> tuple[float, int, list[int]]:
     """Milliseconds and tokens of one request with ctl choosing (n_max 0: the target alone), as
     the engine's loop runs it: the answer's first token comes from the prompt's pass; each step
     then proposes and verifies after the last token committed, the lookup's offer (when given)
-    beside the draft's. Returns (ms, tokens, steps by k)."""
+    beside the draft's. confidence: the draft's tokens go to the controller with the draft's
+    recorded confidences ("draft") or with a perfect one ("perfect": 1 for each token the target
+    will keep, 0 from the first it will not), and the step verifies as many as it then says.
+    Returns (ms, tokens, steps by k)."""
     answer, ms, by_k = rec.answer, 0.0, [0] * (N_MAX + 1)
     s, last_rows, since_draft = 0, 0, rec.n_prompt
     ctl.reset()
@@ -104,7 +121,7 @@ def replay(rec: Recording, ctl: BlockController, costs: Costs, n_max: int,
             ctl.observe_draft(n_draft, t)
             ms += t
             since_draft = 0
-            ctl.proposed(proposal)
+            n_verify = ctl.proposed(proposal, proposal_confidence(rec, s, proposal, confidence))
         verified = offer if from_lookup else proposal
         acc = 0
         while acc < n_verify and verified[acc] == answer[s + 1 + acc]:
@@ -118,6 +135,18 @@ def replay(rec: Recording, ctl: BlockController, costs: Costs, n_max: int,
         by_k[n_verify] += 1
         s += acc + 1
     return ms, len(answer) - 1, by_k
+
+
+def proposal_confidence(rec: Recording, s: int, proposal: list[int], confidence: str | None) -> list[float] | None:
+    """The confidences replay gives the controller with the draft's proposal at answer position s."""
+    if confidence == "draft":
+        return rec.confidences[s][:len(proposal)]
+    if confidence == "perfect":
+        kept = 0
+        while kept < len(proposal) and s + 1 + kept < len(rec.answer) and proposal[kept] == rec.answer[s + 1 + kept]:
+            kept += 1
+        return [1.0] * kept + [0.0] * (len(proposal) - kept)
+    return None
 
 
 def oracle(rec: Recording, costs: Costs, n_max: int) -> tuple[float, int]:
@@ -145,15 +174,17 @@ def run_workload(recordings: list[Recording], costs: Costs) -> dict:
                    **{f"fixed {k}": (BlockController(N_MAX, costs.pass_ms, costs.draft_ms, adaptive=False), k)
                       for k in range(1, N_MAX + 1)},
                    "adaptive": (BlockController(N_MAX, costs.pass_ms, costs.draft_ms), N_MAX)}
-    with_lookup = all(rec.prompt for rec in recordings)
-    if with_lookup:
+    if all(rec.prompt for rec in recordings):
         controllers["+lookup"] = (BlockController(N_MAX, costs.pass_ms, costs.draft_ms), N_MAX)
+    if all(rec.confidences for rec in recordings):
+        for mode in CONFIDENCE_MODES:
+            controllers[mode] = (BlockController(N_MAX, costs.pass_ms, costs.draft_ms), N_MAX)
     per_request, total, by_k = [], {m: [0.0, 0] for m in controllers}, [0] * (N_MAX + 1)
     for rec in recordings:
         rates = {}
         for mode, (ctl, n_max) in controllers.items():
             lookup = NgramLookup(N_MAX) if mode == "+lookup" else None  # the engine's: runs of up to n_max
-            ms, tokens, steps = replay(rec, ctl, costs, n_max, lookup)
+            ms, tokens, steps = replay(rec, ctl, costs, n_max, lookup, CONFIDENCE_MODES.get(mode))
             total[mode][0] += ms
             total[mode][1] += tokens
             rates[mode] = tokens / ms
@@ -168,15 +199,16 @@ def run_workload(recordings: list[Recording], costs: Costs) -> dict:
     speed = {m: tokens / ms for m, (ms, tokens) in total.items()}
     ratio = {m: speed[m] / speed["alone"] for m in speed}
     return {"ratio_to_alone": ratio, "per_request": per_request, "adaptive_steps_by_verified": by_k,
-            "adaptive_to_best_fixed": ratio["adaptive"] / max(v for m, v in ratio.items()
-                                                              if m not in ("adaptive", "oracle", "+lookup"))}
+            "adaptive_to_best_fixed": ratio["adaptive"] / max(ratio[m] for m in ratio if m.startswith(("alone", "fixed")))}
 
 
 def record_workloads(names: list[str], tokens: int, draft: Path | None) -> dict[str, list[Recording]]:
     target, shipped = resolve_pair(DEFAULT_PAIR)
     draft = draft or shipped
     with Engine(target, n_ctx=256, n_threads=1) as engine:  # the chat template, for the prompts
-        prompts = {name: chat_prompts(engine, WORKLOAD_QUESTIONS[name]) for name in names}
+        prompts = {name: chat_prompts(engine, WORKLOAD_QUESTIONS[name]) for name in names if name != HELD_OUT}
+    if HELD_OUT in names:
+        prompts[HELD_OUT] = held_out_prompts(target, None, HELD_OUT_PROMPTS, system=SYSTEM)
     recordings = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
@@ -189,23 +221,26 @@ def record_workloads(names: list[str], tokens: int, draft: Path | None) -> dict[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOAD_QUESTIONS), choices=list(WORKLOAD_QUESTIONS))
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOAD_QUESTIONS),
+                        choices=[*WORKLOAD_QUESTIONS, HELD_OUT])
     parser.add_argument("--pass-ms", type=float, nargs=N_MAX + 1, default=[4.0, 4.85, 6.4, 7.5, 9.1])
     parser.add_argument("--draft-ms", type=float, nargs=N_MAX, default=[0.74, 0.9, 1.1, 1.27])
     parser.add_argument("--switch-ms", type=float, default=0.56)
     parser.add_argument("--catch-up-ms", type=float, default=0.019)
     parser.add_argument("--draft", type=Path, help="another draft for the built-in target (default: the shipped one)")
-    parser.add_argument("--recordings", type=Path, help="a file of recordings: read if it exists, else written")
+    parser.add_argument("--recordings", type=Path,
+                        help="a file of recordings: the workloads it holds are read, the others recorded into it")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     costs = Costs(args.pass_ms, args.draft_ms, args.switch_ms, args.catch_up_ms)
-    if args.recordings and args.recordings.exists():
-        saved = json.loads(args.recordings.read_text())
-        recordings = {name: [Recording(**r) for r in saved[name]] for name in args.workloads}
-    else:
-        recordings = record_workloads(args.workloads, args.tokens, args.draft)
+    saved = json.loads(args.recordings.read_text()) if args.recordings and args.recordings.exists() else {}
+    recordings = {name: [Recording(**r) for r in saved[name]] for name in args.workloads if name in saved}
+    missing = [name for name in args.workloads if name not in recordings]
+    if missing:
+        recordings.update(record_workloads(missing, args.tokens, args.draft))
         if args.recordings:
-            args.recordings.write_text(json.dumps({n: [vars(r) for r in rs] for n, rs in recordings.items()}))
+            saved.update({name: [vars(r) for r in recordings[name]] for name in missing})
+            args.recordings.write_text(json.dumps(saved))
     results = {name: run_workload(recordings[name], costs) for name in args.workloads}
     modes = list(results[args.workloads[0]]["ratio_to_alone"])
     print(f"{'workload':>9} | " + " ".join(f"{m:>9}" for m in modes) + " | adaptive: to best fixed, steps by k")
