@@ -13,7 +13,7 @@ from ikdflash.serving.spectype import SpecType
 
 CHEAP_ROWS = [1.0, 1.09, 1.3, 1.6, 1.9]  # a kept draft pays for its row
 DEAR_ROWS = [1.0, 2.5, 3.5, 4.5, 5.5]    # a second row costs more than any draft token brings
-DRAFT_MS = 0.7
+DRAFT_MS = 0.2  # a draft token kept 70% of the time pays for the step and its row
 TARGET = 1  # the token the scripted target commits at every position
 SURE, UNSURE = (0.9, 1.0), (0.0, 0.2)  # the draft's confidence in tokens the target keeps / rejects
 
@@ -64,6 +64,24 @@ def test_no_row_is_verified_where_rows_cost_more_than_they_bring():
         ctl.plan(4)
         assert ctl.proposed([TARGET] * 4, [0.99] * 4) == 0
         ctl.committed(0, [TARGET])
+
+
+def test_leaving_the_passes_shape_for_one_step_pays_both_rebuilds():
+    """A token at confidence 0.05 is not worth its row (1.05 tokens for 1.09 passes against 1 for
+    1): the step verifies none. But where passes of another shape cost 0.1 more (the target
+    rebuilds its graph) and the last pass had 2 rows, a one-row step would rebuild twice, leaving
+    that shape and coming back (1 token for 1.2), and the row is verified after all. Priced at a
+    quarter of one rebuild, as a plan prices a k (1 for 1.025), it was cut."""
+    def cut(rebuild_ms: float) -> int:
+        ctl = BlockController(1, [1.0, 1.09], DRAFT_MS)
+        for _ in range(30):  # alternating shapes: every pass rebuilds
+            ctl.observe_pass(1, 1.0 + rebuild_ms)
+            ctl.observe_pass(2, 1.09 + rebuild_ms)
+        assert ctl.plan(1) == (1, 1)
+        return ctl.proposed([TARGET], [0.05])
+
+    assert cut(0.0) == 0
+    assert cut(0.1) == 1
 
 
 def test_without_confidences_the_plan_stands():

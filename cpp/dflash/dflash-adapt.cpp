@@ -63,17 +63,17 @@ constexpr int k_max_probe_interval = 256;
 // climbs to n_max within a few steps.
 constexpr int k_lookahead_interval = 4;
 constexpr double k_lookahead_seen = 4.0;
-// A drafted token's confidence (its probability under the draft's softmax) is calibrated per
-// position and confidence tenth against what the target kept: discounted counts, each tenth
-// following its last ~200 observations (fewer kept the chance ups and downs of a tenth's estimate
-// in what it predicted, ~0.13 under what was kept in one tenth of the built-in pair's chat), whose prior is the position's own estimate worth this many
-// observations and discounted as the position's prior is (k_decay, down to k_prior_floor), so a
-// tenth not yet seen predicts what its position does and one seen a few times what it has seen.
+// A drafted token's confidence (its probability under the draft's softmax, or a DSpark draft's
+// confidence head) is calibrated per position and confidence tenth against what the target kept:
+// discounted counts, each tenth following its last ~200 observations (fewer kept the chance ups
+// and downs of a tenth's estimate in what it predicted, ~0.13 under what was kept in one tenth of
+// the built-in pair's chat), whose prior is the confidence itself worth this many observations and
+// discounted as a position's prior is (k_decay, down to k_prior_floor). A tenth not yet seen takes
+// the draft at its word; with the position's estimate as the prior instead, a request's cut chose
+// from ~300 tokens spread over 40 tenths, and on the built-in pair's chat drafted and lost more.
 constexpr int k_confidence_bins = 10;
 constexpr double k_bin_decay = 0.995;
 constexpr double k_bin_prior_weight = 2.0;
-// What the cut made of recent draft steps of each length (cut_outcomes) follows the last ~20.
-constexpr double k_cut_decay = 0.95;
 
 
 }  // namespace
@@ -141,9 +141,9 @@ struct confidence_calibration {
         return (size_t) (j - 1) * k_confidence_bins + tenth;
     }
 
-    double acceptance(int j, float confidence, double position_p) const {
+    double acceptance(int j, float confidence) const {
         const size_t i = at(j, confidence);
-        return (hits[i] + prior[i] * position_p) / (seen[i] + prior[i]);
+        return (hits[i] + prior[i] * std::clamp((double) confidence, 0.0, 1.0)) / (seen[i] + prior[i]);
     }
 
     void observe(int j, float confidence, bool kept) {
@@ -151,29 +151,6 @@ struct confidence_calibration {
         hits[i] = k_bin_decay * hits[i] + (kept ? 1.0 : 0.0);
         seen[i] = k_bin_decay * seen[i] + 1.0;
         prior[i] = std::max(k_prior_floor, k_decay * prior[i]);
-    }
-};
-
-// What the confidence cut made of the draft steps proposing n tokens (index n - 1): the tokens its
-// choices commit in expectation and the rows they verify, discounted averages whose prior is a
-// step verifying all n as the position estimates price it, worth one observation and discounted
-// like one (by its own estimates the cut never does worse than that).
-struct cut_outcomes {
-    std::vector<double> tokens, rows, seen, prior;
-
-    explicit cut_outcomes(int n) : tokens(n, 0.0), rows(n, 0.0), seen(n, 0.0), prior(n, k_prior_weight) {}
-
-    double expected_tokens(int n, double uncut_tokens) const {
-        return (tokens[n - 1] + prior[n - 1] * uncut_tokens) / (seen[n - 1] + prior[n - 1]);
-    }
-
-    double expected_rows(int n) const { return (rows[n - 1] + prior[n - 1] * n) / (seen[n - 1] + prior[n - 1]); }
-
-    void observe(int n, double expected, int verified) {
-        tokens[n - 1] = k_cut_decay * tokens[n - 1] + expected;
-        rows[n - 1] = k_cut_decay * rows[n - 1] + verified;
-        seen[n - 1] = k_cut_decay * seen[n - 1] + 1.0;
-        prior[n - 1] = std::max(k_prior_floor, k_cut_decay * prior[n - 1]);
     }
 };
 
@@ -188,8 +165,6 @@ struct dflash_adapt {
     bool draftless = false;                // no draft: the lookup's offers or one-token decodes
     position_estimates draft;              // the draft's tokens
     confidence_calibration calibration;    // the draft's tokens by their confidence
-    cut_outcomes cut;                      // and what the cut by it made of draft steps
-    bool confident = false;                // this request's draft steps come with confidences
     bool cut_by_confidence = false;        // dflash_adapt_use_confidence's settings
     float conf_min = 0.0f;
     std::vector<double> slow_hits, slow_seen;  // the draft's at k_slow_decay, kept across requests
@@ -213,7 +188,7 @@ struct dflash_adapt {
     dflash_adapt_stats stats{};
 
     dflash_adapt(const dflash_costs * costs, int n_max)
-        : costs(costs), n_max(n_max), draft(n_max), calibration(n_max), cut(n_max), slow_hits(n_max, 0.0), slow_seen(n_max, 0.0),
+        : costs(costs), n_max(n_max), draft(n_max), calibration(n_max), slow_hits(n_max, 0.0), slow_seen(n_max, 0.0),
           lookup(n_max) {}
 
     // Beside other sequences a probe's draft step delays their tokens too, and each of them
@@ -285,17 +260,13 @@ struct dflash_adapt {
         return rate(k, p, k == 0 ? 0.0 : draft_cost_at(k, n_limit), others);
     }
 
-    // The draft's k as this sequence's draft steps go: with confidences, a step drafting k is
-    // worth what the cut made of such steps (it verifies only what pays), else a step verifying
-    // all k as the position estimates say.
+    // The draft's k, a step verifying all k as the position estimates say, with confidences or
+    // without: the plan drafts where drafting pays before any confidence is known, and the cut
+    // (proposed) may then verify less or more. Priced instead by what the cut had made of recent
+    // draft steps (a ~20-step average), the plan kept drafting through runs the quick estimates
+    // had already given up, and with the draft's own confidence lost more than the cut saved.
     double drafted_rate(int k, int n_limit, const dflash_load::part & others) const {
-        const auto p = [this](int j) { return acceptance(j); };
-        if (k == 0 || !confident) {
-            return draft_rate(k, n_limit, p, others);
-        }
-        const double tokens = cut.expected_tokens(k, expected_tokens(k, p));
-        const double pass_ms = costs->next_pass_ms(others.rows + 1 + cut.expected_rows(k));
-        return (others.tokens + tokens) / (others.draft_ms + draft_cost_at(k, n_limit) + pass_ms);
+        return draft_rate(k, n_limit, [this](int j) { return acceptance(j); }, others);
     }
 
     // A draft whose every token is kept as often as p says, in drafted_rate's terms.
@@ -495,8 +466,12 @@ struct dflash_adapt {
     // pass, each token kept as often as its position and confidence have been; else, and when
     // the step measures a stale pass cost, as planned. The draft step is paid by now whatever the
     // choice, so only the pass is priced: a step that priced it in would verify rows slower than
-    // plain decoding to spread its cost. A step that verifies the lookup's tokens verifies none
-    // of these.
+    // plain decoding to spread its cost. A count whose pass has another shape than the last pays
+    // both rebuilds, leaving that shape and coming back, as a lone lookup step does: the next step
+    // plans the last steps' shape again (priced at a quarter of a rebuild, as the plan prices a k,
+    // the cut left a run of 2-row passes for one row wherever a token looked unsure, and paid more
+    // in rebuilds than the row cost). A step that verifies the lookup's tokens verifies none of
+    // these.
     int proposed(const llama_token * tokens, const float * confidence, int n) {
         n = std::clamp(n, 0, n_max);
         // conf_min's floor: nothing from the first token below it is verified, whatever else says
@@ -511,7 +486,7 @@ struct dflash_adapt {
         if (confidence != nullptr) {
             p.confidence.assign(confidence, confidence + n);
             for (int j = 1; j <= n; ++j) {
-                p.predicted.push_back(calibration.acceptance(j, confidence[j - 1], acceptance(j)));
+                p.predicted.push_back(calibration.acceptance(j, confidence[j - 1]));
             }
             if (cut_by_confidence && !planned.lookup && !exploring && costs->scale_ms > 0.0) {
                 const auto q = [&p](int j) { return p.predicted[j - 1]; };
@@ -519,15 +494,13 @@ struct dflash_adapt {
                 beside.draft_ms = 0.0;  // every draft step before the pass has run by now
                 double best_rate = 0.0;
                 for (int m = 0; m <= most; ++m) {
-                    const double r = rate(m, q, 0.0, beside);
+                    const double r = rate(m, q, 0.0, beside, true);
                     if (r > best_rate) {
                         verified = m;
                         best_rate = r;
                     }
                 }
                 stats.n_confidence_cut += verified != as_planned;
-                cut.observe(n, expected_tokens(verified, q), verified);
-                confident = true;
             }
         }
         pending.push_back(std::move(p));
@@ -561,7 +534,6 @@ struct dflash_adapt {
         turned_right = fresh_evidence();
         since_probe = 0;
         explore_left = 0;
-        confident = false;
         pending.clear();
         offered.clear();
         stats = {};

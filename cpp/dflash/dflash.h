@@ -205,7 +205,8 @@ DFLASH_API void dflash_seq_restore_state(const dflash_seq * seq);
 // tenth. Once the draft has run, the step verifies the leading part of its proposal with the most
 // expected tokens per millisecond by those calibrated chances: fewer than planned where the draft
 // is unsure, more (up to what it proposed) where it is sure. A fixed floor (conf_min, llama.cpp's
-// --spec-draft-conf-min) verifies nothing from the first token below it.
+// --spec-draft-conf-min) verifies nothing from the first token below it. The plan, whether and how
+// much to draft, does not use them.
 //
 // Usage, per step of a sequence (the draft's cross-context is fed by every target pass anyway;
 // dflash_spec below is this, written once for the engine and llama-server):
