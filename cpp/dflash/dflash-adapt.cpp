@@ -68,9 +68,8 @@ constexpr double k_lookahead_seen = 4.0;
 // discounted counts, each tenth following its last ~200 observations (fewer kept the chance ups
 // and downs of a tenth's estimate in what it predicted, ~0.13 under what was kept in one tenth of
 // the built-in pair's chat), whose prior is the confidence itself worth this many observations and
-// discounted as a position's prior is (k_decay, down to k_prior_floor). A tenth not yet seen takes
-// the draft at its word; with the position's estimate as the prior instead, a request's cut chose
-// from ~300 tokens spread over 40 tenths, and on the built-in pair's chat drafted and lost more.
+// discounted as a position's prior is (k_decay, down to k_prior_floor): a request's few hundred
+// tokens leave most of the 40 tenths unseen, and there the draft is taken at its word.
 constexpr int k_confidence_bins = 10;
 constexpr double k_bin_decay = 0.995;
 constexpr double k_bin_prior_weight = 2.0;
@@ -262,9 +261,8 @@ struct dflash_adapt {
 
     // The draft's k, a step verifying all k as the position estimates say, with confidences or
     // without: the plan drafts where drafting pays before any confidence is known, and the cut
-    // (proposed) may then verify less or more. Priced instead by what the cut had made of recent
-    // draft steps (a ~20-step average), the plan kept drafting through runs the quick estimates
-    // had already given up, and with the draft's own confidence lost more than the cut saved.
+    // (proposed) may then verify less or more. A plan counting on the cut kept drafting where the
+    // quick estimates had given up (design.md, "Confidence").
     double drafted_rate(int k, int n_limit, const dflash_load::part & others) const {
         return draft_rate(k, n_limit, [this](int j) { return acceptance(j); }, others);
     }
@@ -468,9 +466,7 @@ struct dflash_adapt {
     // choice, so only the pass is priced: a step that priced it in would verify rows slower than
     // plain decoding to spread its cost. A count whose pass has another shape than the last pays
     // both rebuilds, leaving that shape and coming back, as a lone lookup step does: the next step
-    // plans the last steps' shape again (priced at a quarter of a rebuild, as the plan prices a k,
-    // the cut left a run of 2-row passes for one row wherever a token looked unsure, and paid more
-    // in rebuilds than the row cost). A step that verifies the lookup's tokens verifies none of
+    // plans the last steps' shape again. A step that verifies the lookup's tokens verifies none of
     // these.
     int proposed(const llama_token * tokens, const float * confidence, int n) {
         n = std::clamp(n, 0, n_max);
