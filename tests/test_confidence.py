@@ -71,7 +71,7 @@ def test_leaving_the_passes_shape_for_one_step_pays_both_rebuilds():
     1): the step verifies none. But where passes of another shape cost 0.1 more (the target
     rebuilds its graph) and the last pass had 2 rows, a one-row step would rebuild twice, leaving
     that shape and coming back (1 token for 1.2), and the row is verified after all. Priced at a
-    quarter of one rebuild, as a plan prices a k (1 for 1.025), it was cut."""
+    quarter of one rebuild, as a plan prices a k (1 for 1.025), it would be cut."""
     def cut(rebuild_ms: float) -> int:
         ctl = BlockController(1, [1.0, 1.09], DRAFT_MS)
         for _ in range(30):  # alternating shapes: every pass rebuilds
