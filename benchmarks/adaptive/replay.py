@@ -123,9 +123,7 @@ def replay(rec: Recording, ctl: BlockController, costs: Costs, n_max: int,
             since_draft = 0
             n_verify = ctl.proposed(proposal, proposal_confidence(rec, s, proposal, confidence))
         verified = offer if from_lookup else proposal
-        acc = 0
-        while acc < n_verify and verified[acc] == answer[s + 1 + acc]:
-            acc += 1
+        acc = leading_kept(verified[:n_verify], answer, s)
         rows = n_verify + 1
         t = costs.pass_ms[rows - 1] + (costs.switch_ms if rows != last_rows else 0.0)
         ctl.observe_pass(rows, t)
@@ -137,14 +135,21 @@ def replay(rec: Recording, ctl: BlockController, costs: Costs, n_max: int,
     return ms, len(answer) - 1, by_k
 
 
+def leading_kept(tokens: list[int], answer: list[int], s: int) -> int:
+    """How many of tokens, proposed after answer[s], the target keeps: the leading ones that are
+    its answer's next tokens."""
+    kept = 0
+    while kept < len(tokens) and s + 1 + kept < len(answer) and tokens[kept] == answer[s + 1 + kept]:
+        kept += 1
+    return kept
+
+
 def proposal_confidence(rec: Recording, s: int, proposal: list[int], confidence: str | None) -> list[float] | None:
     """The confidences replay gives the controller with the draft's proposal at answer position s."""
     if confidence == "draft":
         return rec.confidences[s][:len(proposal)]
     if confidence == "perfect":
-        kept = 0
-        while kept < len(proposal) and s + 1 + kept < len(rec.answer) and proposal[kept] == rec.answer[s + 1 + kept]:
-            kept += 1
+        kept = leading_kept(proposal, rec.answer, s)
         return [1.0] * kept + [0.0] * (len(proposal) - kept)
     return None
 
@@ -157,9 +162,7 @@ def oracle(rec: Recording, costs: Costs, n_max: int) -> tuple[float, int]:
     answer, ms, s, last_rows, since_draft = rec.answer, 0.0, 0, 0, rec.n_prompt
     while s < len(answer) - 1:
         n_limit = min(n_max, len(answer) - 2 - s)
-        kept = 0
-        while kept < n_limit and rec.proposals[s][kept] == answer[s + 1 + kept]:
-            kept += 1
+        kept = leading_kept(rec.proposals[s][:n_limit], answer, s)
         if kept:
             ms += costs.draft_ms[n_limit - 1] + costs.catch_up_ms * max(0, since_draft - 2)
             since_draft = 0
