@@ -2,7 +2,8 @@
 without a draft.
 
     python -m benchmarks.server load [--slots 2 4] [--rounds 3] [--tokens 128] [--json out.json] [--lookup-off]
-        [--other PATH/llama-server] [--useless] [--questions chat|held-out] [--waves]
+        [--other PATH/llama-server] [--useless] [--questions chat|held-out] [--waves [--turns round|wave]]
+        [--fresh-servers] [--twin]
 
 For each --slots N, the packaged llama-server starts with --parallel N twice, with the draft
 (default --spec-type dflash: adaptive) and without. Both stay up, serve one warm-up run, then take
@@ -16,7 +17,14 @@ the same tokens whatever their batches' rounding, and the slots do not finish in
 replies of one length would make them do without a draft and not with one (a synchronized server
 turns its slots over all at once). --waves measures the earlier way instead: the 8 questions sent
 N at a time, each wave after the one before has answered, every reply ending at its end-of-text
-token or at --tokens.
+token or at --tokens. With --turns wave the servers take turns at every wave instead of every
+round (the order rotating by wave), so that their runs interleave within seconds, and each one's
+throughput is its tokens over the time of its own waves. Two llama-servers of the same build and
+flags, started together, decode at speeds up to 4% apart for as long as they run (a process's speed
+follows where its memory lands; docs/benchmarks.md, "Under load"), which turns between them do not
+cancel: --fresh-servers starts the servers anew for every round, so that the rounds' median does.
+--twin adds a second server without a draft, reported against the first like the others: the
+spread two servers alike show.
 
 A server's throughput is the tokens generated over the wall time from the first request sent to the
 last reply. Reported per N: each round's ratio (draft / no draft), their median, the one-token
@@ -43,7 +51,7 @@ import statistics
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ikdflash import Server
@@ -105,13 +113,33 @@ def run_load(url: str, bodies: list[dict], slots: int, waves: bool = False) -> d
     start = time.monotonic()
     route = url + "/v1/chat/completions"
     replies = post_in_waves(route, bodies, slots) if waves else post_json_concurrently(route, bodies, in_flight=slots)
-    seconds = time.monotonic() - start
+    return throughput(replies, time.monotonic() - start, load_plain_steps(url) - held_before)
+
+
+def run_waves_in_turns(urls: dict[str, str], order: list[str], bodies: list[dict], slots: int) -> dict[str, dict]:
+    """The bodies sent in waves of `slots` to every server, the servers taking turns at each wave
+    (the order rotating by wave): each one's throughput over the time of its own waves."""
+    held_before = {name: load_plain_steps(url) for name, url in urls.items()}
+    replies: dict[str, list[dict]] = {name: [] for name in order}
+    seconds = dict.fromkeys(order, 0.0)
+    for wave, at in enumerate(range(0, len(bodies), slots)):
+        for name in order[wave % len(order):] + order[:wave % len(order)]:
+            start = time.monotonic()
+            replies[name] += post_json_concurrently(urls[name] + "/v1/chat/completions", bodies[at:at + slots])
+            seconds[name] += time.monotonic() - start
+    return {name: throughput(replies[name], seconds[name], load_plain_steps(urls[name]) - held_before[name])
+            for name in order}
+
+
+def throughput(replies: list[dict], seconds: float, load_plain: int) -> dict:
+    """A run's replies over its wall time: tokens per second, the share of it the draft steps took,
+    and the prompt's speed."""
     generated = sum(r["usage"]["completion_tokens"] for r in replies)
     draft_ms = sum(r.get("timings", {}).get("draft_ms", 0.0) for r in replies)
     prompt_ms = sum(r.get("timings", {}).get("prompt_ms", 0.0) for r in replies)
     prompt_n = sum(r.get("timings", {}).get("prompt_n", 0) for r in replies)
     return {"tokens": generated, "seconds": seconds, "tokens_per_second": generated / seconds,
-            "load_plain_steps": load_plain_steps(url) - held_before, "draft_share": draft_ms / 1e3 / seconds,
+            "load_plain_steps": load_plain, "draft_share": draft_ms / 1e3 / seconds,
             "prompt_tokens_per_second": prompt_n / (prompt_ms / 1e3) if prompt_ms else None}
 
 
@@ -141,7 +169,16 @@ def main() -> None:
     parser.add_argument("--questions", choices=("chat", "held-out"), default="chat")
     parser.add_argument("--waves", action="store_true",
                         help="the questions sent N at a time, each reply ending at its end-of-text token or --tokens")
+    parser.add_argument("--turns", choices=("round", "wave"), default="round",
+                        help="with --waves: the servers take turns at each round (default) or at each wave")
+    parser.add_argument("--twin", action="store_true",
+                        help="a server more, without a draft like plain: what two servers alike measure apart")
+    parser.add_argument("--fresh-servers", action="store_true",
+                        help="start the servers anew for every round (a process's speed depends on where its "
+                             "memory lands)")
     args = parser.parse_args()
+    if args.turns == "wave" and not args.waves:
+        parser.error("--turns wave needs --waves")
 
     target, draft = resolve_pair(DEFAULT_PAIR)
     questions = QUESTIONS if args.questions == "chat" else held_out_questions(24)
@@ -152,31 +189,51 @@ def main() -> None:
     if args.json:
         write_result(args.json, {"tokens": args.tokens, "other": str(args.other) if args.other else None,
                                  "useless": args.useless, "questions": questions,
-                                 "waves": args.waves, "slots": results},
+                                 "waves": args.waves, "turns": args.turns, "fresh_servers": args.fresh_servers,
+                                 "slots": results},
                      os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def serving(target: Path, configs: dict[str, tuple[Path | None, Path | None, SpecType | None]], slots: int, bodies: list[dict],
+            waves: bool) -> Iterator[dict[str, str]]:
+    """A server per configuration (draft, binary, spec type), each warmed up by serving every slot
+    once: their URLs by name."""
+    with contextlib.ExitStack() as servers:
+        urls = {name: servers.enter_context(start_server(target, draft, slots, binary, spec=spec))
+                for name, (draft, binary, spec) in configs.items()}
+        for url in urls.values():
+            run_load(url, bodies[:slots], slots, waves)
+        yield urls
 
 
 def measure(args: argparse.Namespace, target: Path, draft: Path, questions: Sequence[str]) -> dict:
     """Per --slots N: every round's runs and ratios, and their medians. The servers stay up through
-    the rounds and take turns, so that the runs of one round are seconds apart."""
+    the rounds (or start anew for each, --fresh-servers) and take turns, so that the runs of one
+    round are seconds apart."""
     results = {}
     bodies = chat_bodies(args.tokens, questions) if args.waves else steady_bodies(args.tokens, questions)
     for slots in args.slots:
         rounds = []
-        configs = {"dflash": (draft, None, None), "plain": (None, None, None)}
+        configs: dict[str, tuple[Path | None, Path | None, SpecType | None]] = {
+            "dflash": (draft, None, None), "plain": (None, None, None)}
         if args.other:
             configs["other"] = (draft, args.other, None)
         if args.lookup_off:
             configs["lookup=0"] = (draft, None, SpecType(lookup=False))
+        if args.twin:
+            configs["twin"] = (None, None, None)
         names = list(configs)
-        with contextlib.ExitStack() as servers:
-            urls = {name: servers.enter_context(start_server(target, configs[name][0], slots, configs[name][1],
-                                                             spec=configs[name][2])) for name in names}
-            for name in names:
-                run_load(urls[name], bodies[:slots], slots, args.waves)  # warm-up: every slot has served once
+        with contextlib.ExitStack() as up:
+            urls = {} if args.fresh_servers else up.enter_context(serving(target, configs, slots, bodies, args.waves))
             for r in range(args.rounds):
-                order = names[r % len(names):] + names[:r % len(names)]
-                runs = {name: run_load(urls[name], bodies, slots, args.waves) for name in order}
+                fresh = serving(target, configs, slots, bodies, args.waves) if args.fresh_servers else None
+                with fresh or contextlib.nullcontext(urls) as round_urls:
+                    order = names[r % len(names):] + names[:r % len(names)]
+                    if args.turns == "wave":
+                        runs = run_waves_in_turns(round_urls, order, bodies, slots)
+                    else:
+                        runs = {name: run_load(round_urls[name], bodies, slots, args.waves) for name in order}
                 ratios = {name: runs[name]["tokens_per_second"] / runs["plain"]["tokens_per_second"]
                           for name in names if name != "plain"}
                 rounds.append({**runs, "ratios": ratios})
