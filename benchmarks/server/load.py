@@ -20,9 +20,10 @@ N at a time, each wave after the one before has answered, every reply ending at 
 token or at --tokens. With --turns wave the servers take turns at every wave instead of every
 round (the order rotating by wave), so that their runs interleave within seconds, and each one's
 throughput is its tokens over the time of its own waves. Two llama-servers of the same build and
-flags, started together, decode at speeds up to 4% apart for as long as they run (a process's speed
-follows where its memory lands; docs/benchmarks.md, "Under load"), which turns between them do not
-cancel: --fresh-servers starts the servers anew for every round, so that the rounds' median does.
+flags need not decode at the same speed for as long as they run, a few percent apart (a process's
+speed follows where its memory lands; docs/benchmarks.md, "Turns by wave, and servers started
+anew"), which turns between them do not cancel: --fresh-servers starts the servers anew for every
+round, so that the rounds' median does.
 --twin adds a second server without a draft, reported against the first like the others: the
 spread two servers alike show.
 
@@ -67,6 +68,10 @@ QUESTIONS = ["Explain rainbows to a child.", "What is the capital of France, and
              "Give me three tips for learning to cook.", "Write a short poem about the sea.",
              "How do bees make honey?", "Why is the sky blue?",
              "Describe a good morning routine.", "What should I pack for a weekend hike?"]
+
+
+# a server's draft, llama-server binary (None: the packaged one) and spec type (None: the default)
+ServerConfig = tuple[Path | None, Path | None, SpecType | None]
 
 
 def chat_bodies(tokens: int, questions: Sequence[str] = QUESTIONS) -> list[dict]:
@@ -195,7 +200,7 @@ def main() -> None:
 
 
 @contextlib.contextmanager
-def serving(target: Path, configs: dict[str, tuple[Path | None, Path | None, SpecType | None]], slots: int, bodies: list[dict],
+def serving(target: Path, configs: dict[str, ServerConfig], slots: int, bodies: list[dict],
             waves: bool) -> Iterator[dict[str, str]]:
     """A server per configuration (draft, binary, spec type), each warmed up by serving every slot
     once: their URLs by name."""
@@ -215,8 +220,7 @@ def measure(args: argparse.Namespace, target: Path, draft: Path, questions: Sequ
     bodies = chat_bodies(args.tokens, questions) if args.waves else steady_bodies(args.tokens, questions)
     for slots in args.slots:
         rounds = []
-        configs: dict[str, tuple[Path | None, Path | None, SpecType | None]] = {
-            "dflash": (draft, None, None), "plain": (None, None, None)}
+        configs: dict[str, ServerConfig] = {"dflash": (draft, None, None), "plain": (None, None, None)}
         if args.other:
             configs["other"] = (draft, args.other, None)
         if args.lookup_off:
