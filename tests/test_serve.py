@@ -81,6 +81,8 @@ def test_dry_run_prints_the_command(pair):
     assert out.returncode == 0, out.stderr
     assert "--spec-type dflash:n_max=6,cross_ctx=512" in out.stdout
     assert "-c 2048" in out.stdout and "-ngl 99 -ngld 0" in out.stdout and out.stdout.strip().endswith("--metrics")
+    # the environment the server would get over ours comes first, as a shell takes it
+    assert out.stdout.startswith("GOMP_SPINCOUNT=1000 ") or {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & set(os.environ)
     fixed = serve("--target", str(target), "--draft", str(draft), "--no-adaptive", "--dry-run")
     assert fixed.returncode == 0 and "--spec-type dflash:n_max=4,adaptive=0" in fixed.stdout
     assert "-rtr" not in fixed.stdout.split()  # F32 weights: nothing repacked by default (repack_by_default)

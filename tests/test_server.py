@@ -162,3 +162,26 @@ def test_a_prompt_of_only_bos_is_not_a_warm_up(tiny_model, tmp_path):
     with Server(target, ctx_size=256, n_threads=2, log_file=tmp_path / "s.log") as url:
         first, again = (post_json(url + "/completion", body)["completion_probabilities"][0]["probs"] for _ in range(2))
     assert first == again
+
+
+def server_environ(server: Server) -> dict[str, str]:
+    assert server.process is not None
+    raw = Path(f"/proc/{server.process.pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+
+
+def test_the_server_waits_for_its_openmp_threads_briefly_unless_told_otherwise(tiny_model, monkeypatch):
+    # llama-server's OpenMP threads spin 1,000 times at a barrier before they sleep (libgomp's
+    # default, 300,000, stalled a server beside a busy process); a caller's own setting wins
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    path = tiny_model("llama")
+    for env, want in [({}, "1000"), ({"GOMP_SPINCOUNT": "50"}, "50"), ({"OMP_WAIT_POLICY": "passive"}, None)]:
+        server = Server(path, ctx_size=256, n_threads=2, env=env)
+        with server:
+            assert server_environ(server).get("GOMP_SPINCOUNT") == want
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    server = Server(path, ctx_size=256, n_threads=2)
+    with server:
+        assert "GOMP_SPINCOUNT" not in server_environ(server)
+    assert server.environment_changes() == {}

@@ -12,6 +12,7 @@ COMMANDS = {
     "first-command": "first_command",
     "batch-variance": "batch_variance",
     "copy-heavy": "copy_heavy",
+    "busy": "busy",
 }
 
 sys.exit(run_command("benchmarks.server", server.__doc__ or "", COMMANDS))

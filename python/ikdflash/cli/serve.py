@@ -193,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
         say(f"warning: serving on {server.host} without an API key: anyone who can reach the port can use "
             "the server; set IKDFLASH_API_KEY or --api-key-file")
     if args.dry_run:
-        print(shlex.join(server.command()))
+        print(" ".join([*(f"{key}={shlex.quote(value)}" for key, value in server.environment_changes().items()),
+                        shlex.join(server.command())]))
         return 0
 
     def request_stop(_signum: int, _frame: object) -> None:

@@ -245,6 +245,19 @@ def absolute_paths(args: Sequence[str]) -> list[str]:
     return out
 
 
+# llama-server's OpenMP threads spin up to GOMP_SPINCOUNT times (libgomp's default 300,000) at a
+# barrier before they sleep. Beside one CPU-bound process on a 2-core machine, threads spinning for a
+# partner that was not running held a request for as long as that process ran; 1,000 spins cost
+# nothing measurable on an idle machine (docs/server.md, "A busy machine").
+OPENMP_SPIN_COUNT = "1000"
+
+
+def openmp_defaults(env: Mapping[str, str]) -> dict[str, str]:
+    """What a server's environment env gains: the spin count above, unless env says how OpenMP
+    threads wait."""
+    return {} if "GOMP_SPINCOUNT" in env or "OMP_WAIT_POLICY" in env else {"GOMP_SPINCOUNT": OPENMP_SPIN_COUNT}
+
+
 class Server:
     """One llama-server process serving ``model``; a context manager yielding its base URL."""
 
@@ -271,7 +284,7 @@ class Server:
         self.log_file = Path(log_file) if log_file else None
         self.log_to_stdout = log_to_stdout  # the server's log goes to our stdout (when no log_file)
         self.on_wait = on_wait              # called with the seconds waited, while starting
-        self.env = dict(env or {})          # set for the server process, over ours
+        self.env = dict(env or {})          # set for the server process, over ours (environment())
         self.startup_timeout = startup_timeout
         self.stop_grace = stop_grace
         self.process: subprocess.Popen[bytes] | None = None
@@ -292,6 +305,15 @@ class Server:
         if self.api_keys:
             cmd += ["--api-key-file", str(self._key_file or "<a private file written at start>")]
         return cmd + absolute_paths(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        """The server process's environment: ours, then env, then openmp_defaults."""
+        env = {**os.environ, **self.env}
+        return {**env, **openmp_defaults(env)}
+
+    def environment_changes(self) -> dict[str, str]:
+        """What the server's environment sets over ours (a dry run prints them before the command)."""
+        return {key: value for key, value in self.environment().items() if os.environ.get(key) != value}
 
     @property
     def requires_key(self) -> bool:
@@ -317,7 +339,7 @@ class Server:
             self._write_key_file()
             self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                             stderr=subprocess.STDOUT, start_new_session=True, cwd=self._workdir,
-                                            env={**os.environ, **self.env}, preexec_fn=end_with(os.getpid()))
+                                            env=self.environment(), preexec_fn=end_with(os.getpid()))
             assert self.process.stdout is not None
             self._output = _Output(self.process.stdout, self._log, self.log_to_stdout)
             self._wait_ready()
