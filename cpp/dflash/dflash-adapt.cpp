@@ -259,21 +259,17 @@ struct dflash_adapt {
         return rate(k, p, k == 0 ? 0.0 : draft_cost_at(k, n_limit), others);
     }
 
-    // The draft's k, a step verifying all k as the position estimates say, with confidences or
-    // without: the plan drafts where drafting pays before any confidence is known, and the cut
+    // The draft's k priced by the position estimates, each step verifying all k, with confidences
+    // or without: the plan drafts where drafting pays before any confidence is known, and the cut
     // (proposed) may then verify less or more. A plan counting on the cut kept drafting where the
     // quick estimates had given up (design.md, "Confidence").
-    double drafted_rate(int k, int n_limit, const dflash_load::part & others) const {
-        return draft_rate(k, n_limit, [this](int j) { return acceptance(j); }, others);
+    auto estimates() const {
+        return [this](int j) { return acceptance(j); };
     }
 
-    // A draft whose every token is kept as often as p says, in drafted_rate's terms.
+    // A draft whose every token is kept as often as p says: draft_rate of each k.
     template <typename Acceptance> auto rate_if(int n_limit, Acceptance p, const dflash_load::part & others) const {
         return [this, n_limit, p, &others](int k) { return draft_rate(k, n_limit, p, others); };
-    }
-
-    auto rate_as_drafted(int n_limit, const dflash_load::part & others) const {
-        return [this, n_limit, &others](int k) { return drafted_rate(k, n_limit, others); };
     }
 
     // The k in 0..n_limit with the most tokens per millisecond from the whole pass, rate_of(k)
@@ -305,7 +301,8 @@ struct dflash_adapt {
         }
         const auto pl = [this](int j) { return lookup.acceptance(j); };
         int best = 0;
-        double best_rate = drafted_rate(draftless ? 0 : best_k(n_limit, rate_as_drafted(n_limit, others)), n_limit, others);
+        const int k_draft = draftless ? 0 : best_k(n_limit, rate_if(n_limit, estimates(), others));
+        double best_rate = draft_rate(k_draft, n_limit, estimates(), others);
         for (int k = 1; k <= std::min(n_limit, n_offered); ++k) {
             const double r = rate(k, pl, 0.0, others, true);
             if (r > best_rate) {
@@ -362,8 +359,8 @@ struct dflash_adapt {
             return {0, 0, false};
         }
         const dflash_load::part alone{};
-        int k = best_k(n_limit, rate_as_drafted(n_limit, others));
-        const bool held_by_load = k == 0 && others.rows > 0 && best_k(n_limit, rate_as_drafted(n_limit, alone)) > 0;
+        int k = best_k(n_limit, rate_if(n_limit, estimates(), others));
+        const bool held_by_load = k == 0 && others.rows > 0 && best_k(n_limit, rate_if(n_limit, estimates(), alone)) > 0;
         if (explore_left > 0) {
             --explore_left;
             k = std::min(k + 1, n_limit);

@@ -247,8 +247,8 @@ def absolute_paths(args: Sequence[str]) -> list[str]:
 
 # llama-server's OpenMP threads spin up to GOMP_SPINCOUNT times (libgomp's default 300,000) at a
 # barrier before they sleep. Beside one CPU-bound process on a 2-core machine, threads spinning for a
-# partner that was not running held a request for as long as that process ran; 1,000 spins cost
-# nothing measurable on an idle machine (docs/server.md, "A busy machine").
+# partner that was not running held a request for as long as that process ran; alone, 1,000 spins
+# were within the noise of the default (docs/server.md, "A busy machine").
 OPENMP_SPIN_COUNT = "1000"
 
 
